@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One command: set up and run the test suite (offline, CPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+set +e
+python -m pytest "$@"
+rc=$?
+set -e
+# pytest exits 5 when it collected no test: that is a failure for us, not a pass.
+if [ "$rc" -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi
+exit "$rc"

@@ -1,0 +1,235 @@
+"""KV-cache extraction: any HF causal LM's cache as one `[L, B, H_kv, T, D]` stack.
+
+`transformers` has changed its cache object several times (legacy tuples, `DynamicCache`
+with `key_cache` lists, `DynamicCache.layers[i].keys` in 5.x). Everything downstream of this
+module sees only the `KVCache` value below, so those differences stop here.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+KeySpace = Literal["post_rope", "pre_rope"]
+
+# segment ids, shared by data, time alignment and the losses
+PAD, PROMPT, REASONING, ANSWER = -1, 0, 1, 2
+SEGMENT_NAMES = {PROMPT: "prompt", REASONING: "reasoning", ANSWER: "answer"}
+
+
+@dataclass
+class KVCache:
+    """A model's key/value cache for one batch, stacked over layers.
+
+    Attributes:
+        keys: `[L, B, H, T, D]` keys per layer (post-RoPE as cached, or pre-RoPE).
+        values: `[L, B, H, T, D]` values per layer.
+        attention_mask: `[B, T]` 1 for real tokens, 0 for padding.
+        segment_ids: `[B, T]` 0 prompt, 1 reasoning, 2 answer, -1 padding (optional).
+        hidden_states: `[L+1, B, T, d_model]` embeddings + every layer's output (optional).
+    """
+
+    keys: Tensor
+    values: Tensor
+    attention_mask: Tensor
+    segment_ids: Tensor | None = None
+    hidden_states: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.keys.dim() != 5 or self.values.dim() != 5:
+            raise ValueError(
+                f"KVCache keys/values must be [L, B, H, T, D]; got keys {tuple(self.keys.shape)}, "
+                f"values {tuple(self.values.shape)}"
+            )
+        if self.keys.shape[:4] != self.values.shape[:4]:
+            raise ValueError(
+                f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} disagree on [L, B, H, T]"
+            )
+        B, T = self.keys.shape[1], self.keys.shape[3]
+        if tuple(self.attention_mask.shape) != (B, T):
+            raise ValueError(
+                f"attention_mask must be [B, T] = [{B}, {T}] to match the cache; got {tuple(self.attention_mask.shape)}"
+            )
+        if self.segment_ids is not None and tuple(self.segment_ids.shape) != (B, T):
+            raise ValueError(f"segment_ids must be [B, T] = [{B}, {T}]; got {tuple(self.segment_ids.shape)}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[4]
+
+    def shape_summary(self) -> str:
+        L, B, H, T, D = self.keys.shape
+        return f"L={L} B={B} H_kv={H} T={T} D={D}"
+
+    def detach(self) -> KVCache:
+        return replace(
+            self,
+            keys=self.keys.detach(),
+            values=self.values.detach(),
+            hidden_states=None if self.hidden_states is None else self.hidden_states.detach(),
+        )
+
+
+def stack_cache(past_key_values: Any) -> tuple[Tensor, Tensor]:
+    """Stack whatever cache object a model returned into keys, values `[L, B, H, T, D]`.
+
+    Handles transformers 5.x `Cache` objects (`.layers[i].keys/.values`), 4.x `DynamicCache`
+    (`.key_cache/.value_cache` lists) and legacy tuples `((k, v), ...)`.
+    """
+    if past_key_values is None:
+        raise ValueError("the model returned no cache: call it with use_cache=True")
+    if hasattr(past_key_values, "layers"):  # transformers >= 4.56 / 5.x
+        ks = [layer.keys for layer in past_key_values.layers]
+        vs = [layer.values for layer in past_key_values.layers]
+    elif hasattr(past_key_values, "key_cache"):  # transformers 4.3x-4.5x DynamicCache
+        ks, vs = list(past_key_values.key_cache), list(past_key_values.value_cache)
+    elif isinstance(past_key_values, (tuple, list)):  # legacy format
+        ks = [layer[0] for layer in past_key_values]
+        vs = [layer[1] for layer in past_key_values]
+    else:
+        raise TypeError(f"unsupported cache type {type(past_key_values).__name__}")
+    if any(k is None for k in ks):
+        raise ValueError("the cache has uninitialised layers (a hybrid/linear-attention model?)")
+    lengths = {k.shape[-2] for k in ks}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"cache layers hold different lengths {sorted(lengths)} (sliding-window layers cropped the cache); "
+            "use a max_length no longer than the model's sliding window"
+        )
+    return torch.stack(ks), torch.stack(vs)  # [L, B, H, T, D] each
+
+
+def _key_modules(model: nn.Module) -> list[nn.Module]:
+    """The per-layer modules whose output is the pre-RoPE key (k_norm if present, else k_proj)."""
+    found = [m for name, m in model.named_modules() if name.endswith("self_attn.k_norm")]
+    if not found:
+        found = [m for name, m in model.named_modules() if name.endswith("self_attn.k_proj")]
+    return found
+
+
+@contextmanager
+def capture_pre_rope_keys(model: nn.Module, num_kv_heads: int, head_dim: int):
+    """Record each layer's key before the rotary embedding via forward hooks.
+
+    Yields a list that fills with `[B, H, T, D]` tensors, one per layer, in layer order.
+    Models without rotary embeddings (GPT-2) have no `k_proj`: their cached keys already are
+    "pre-RoPE", and the caller falls back to them.
+    """
+    captured: list[Tensor] = []
+
+    def hook(_module: nn.Module, _inputs: Any, output: Tensor) -> None:
+        B, T = output.shape[0], output.shape[1]
+        captured.append(output.reshape(B, T, num_kv_heads, head_dim).transpose(1, 2))  # [B, H, T, D]
+
+    handles = [m.register_forward_hook(hook) for m in _key_modules(model)]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _kv_geometry(model: nn.Module) -> tuple[int, int]:
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n_heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+    head_dim = getattr(cfg, "head_dim", None) or hidden // n_heads
+    return n_kv, head_dim
+
+
+def forward_with_kv(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    segment_ids: Tensor | None = None,
+    *,
+    labels: Tensor | None = None,
+    key_space: KeySpace = "post_rope",
+    output_hidden_states: bool = False,
+    **model_kwargs: Any,
+) -> tuple[Any, KVCache]:
+    """One forward pass returning the model output *and* its stacked cache.
+
+    The cache keeps the autograd graph: use this for the student, whose KV loss must reach its
+    weights through the same pass that produces its LM loss. Wrap in `torch.no_grad()` (or use
+    `extract_kv`) for teachers.
+
+    Args:
+        model: any HF causal LM (possibly wrapped by DDP/FSDP: call the wrapper so gradients sync).
+        input_ids: `[B, T]` token ids.
+        attention_mask: `[B, T]` 1 real / 0 pad.
+        segment_ids: `[B, T]` optional segment ids, carried into the returned `KVCache`.
+        labels: `[B, T]` optional LM labels (-100 ignored), passed to the model.
+        key_space: "post_rope" (as cached) or "pre_rope" (key projection output).
+        output_hidden_states: also return hidden states `[L+1, B, T, d_model]`.
+
+    Returns:
+        (model output, KVCache)
+    """
+    if key_space not in ("post_rope", "pre_rope"):
+        raise ValueError(f"key_space must be 'post_rope' or 'pre_rope', got {key_space!r}")
+    inner = getattr(model, "module", model)  # DDP/FSDP wrapper -> the HF model, for hooks/config
+    ctx = capture_pre_rope_keys(inner, *_kv_geometry(inner)) if key_space == "pre_rope" else nullcontext([])
+    with ctx as pre_keys:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            labels=labels,
+            use_cache=True,
+            output_hidden_states=output_hidden_states,
+            **model_kwargs,
+        )
+    keys, values = stack_cache(out.past_key_values)  # [L, B, H, T, D]
+    if key_space == "pre_rope" and pre_keys:
+        if len(pre_keys) != keys.shape[0]:
+            raise RuntimeError(f"captured {len(pre_keys)} pre-RoPE keys for {keys.shape[0]} layers")
+        keys = torch.stack(pre_keys)  # [L, B, H, T, D]
+    hidden = torch.stack(out.hidden_states) if output_hidden_states else None  # [L+1, B, T, d]
+    kv = KVCache(keys, values, attention_mask, segment_ids, hidden)
+    return out, kv
+
+
+def extract_kv(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    segment_ids: Tensor | None = None,
+    *,
+    grad: bool = False,
+    key_space: KeySpace = "post_rope",
+    output_hidden_states: bool = False,
+) -> KVCache:
+    """The stacked KV cache of `model` on a batch; teacher use by default (`grad=False`).
+
+    Example:
+        >>> kv = extract_kv(teacher, batch["input_ids"], batch["attention_mask"])
+        >>> kv.keys.shape  # [L, B, H_kv, T, D]
+    """
+    with torch.set_grad_enabled(grad):
+        _, kv = forward_with_kv(
+            model,
+            input_ids,
+            attention_mask,
+            segment_ids,
+            key_space=key_space,
+            output_hidden_states=output_hidden_states,
+        )
+    return kv if grad else kv.detach()
