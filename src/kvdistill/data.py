@@ -1,0 +1,287 @@
+"""GSM8K-format data: loading, prompt formatting, tokenisation with segments, batching.
+
+A record is `{"question": str, "answer": str}` where `answer = rationale + "#### <number>"`.
+Segments (prompt / reasoning / answer) are found from *character* offsets of the formatted
+text, so the same text gets consistent segments under any tokenizer: this is what lets the
+time alignment match a teacher and a student that tokenize differently.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING
+
+DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
+ANSWER_MARKER = "####"
+# field maps that make other datasets look like GSM8K: {our name: their column}
+FIELD_MAPS: dict[str, dict[str, str]] = {
+    "gsm8k": {"question": "question", "answer": "answer"},
+    "svamp": {"question": "question_concat", "answer": "Answer"},
+    "math": {"question": "problem", "answer": "solution"},
+    "strategyqa": {"question": "question", "answer": "answer"},
+}
+_LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """Bad data input; the message names the problem and the fix."""
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_records(
+    source: str | os.PathLike,
+    split: str = "train",
+    field_map: Mapping[str, str] | str | None = None,
+    limit: int | None = None,
+    extra_fields: Sequence[str] = (),
+) -> list[dict]:
+    """Load GSM8K-format records from a Hub id, a local file or a directory.
+
+    Args:
+        source: "openai/gsm8k" (Hub, config "main"), a local .jsonl/.json/.parquet file, a
+            directory holding `<split>.jsonl` (or .json/.parquet), or "synthetic" (generated).
+        split: which split to load.
+        field_map: `{"question": col, "answer": col}` or a name from `FIELD_MAPS`.
+        limit: keep the first `limit` records.
+        extra_fields: further columns to keep (e.g. per-teacher rationales).
+
+    Returns:
+        list of `{"question", "answer", *extra_fields}` dicts.
+    """
+    import datasets
+
+    if str(source) == "synthetic":
+        from kvdistill.synthetic import make_splits
+
+        train, test = make_splits(2000, 500, seed=0)
+        records = train if split == "train" else test
+        return records[:limit] if limit else records
+    fmap = FIELD_MAPS[field_map] if isinstance(field_map, str) else dict(field_map or FIELD_MAPS["gsm8k"])
+    path = Path(source)
+    if path.is_dir():
+        files = [path / f"{split}{ext}" for ext in _LOCAL_FORMATS]
+        files = [f for f in files if f.exists()]
+        if not files:
+            raise DataError(f"no {split}.jsonl/.json/.parquet in {path}; write one or pass a file path")
+        path = files[0]
+    if path.suffix in _LOCAL_FORMATS and path.exists():
+        ds = datasets.load_dataset(_LOCAL_FORMATS[path.suffix], data_files={split: str(path)}, split=split)
+    elif path.suffix in _LOCAL_FORMATS or str(source).startswith((".", "/")):
+        raise DataError(f"data file not found: {source}")
+    else:
+        config = "main" if str(source).endswith("gsm8k") else None
+        try:
+            ds = datasets.load_dataset(str(source), config, split=split)
+        except Exception as err:  # datasets raises many types for "not reachable"
+            raise DataError(
+                f"could not load dataset {source!r} (split {split!r}): {type(err).__name__}: {err}\n"
+                "  without network, pass a local jsonl/parquet file or directory, or 'synthetic'"
+            ) from err
+    missing = [c for c in [*fmap.values(), *extra_fields] if c not in ds.column_names]
+    if missing:
+        raise DataError(
+            f"{source}: columns {missing} not found (has {ds.column_names}); set a field_map such as "
+            '{"question": "<col>", "answer": "<col>"}'
+        )
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    records = []
+    for row in ds:
+        rec = {ours: str(row[theirs]) for ours, theirs in fmap.items()}
+        rec.update({f: row[f] for f in extra_fields})
+        records.append(rec)
+    return records
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def split_answer(answer: str) -> tuple[str, str]:
+    """`"rationale\\n#### 42"` -> `("rationale", "42")`; an answer without `####` is all final."""
+    if ANSWER_MARKER in answer:
+        rationale, final = answer.rsplit(ANSWER_MARKER, 1)
+        return rationale.strip(), final.strip()
+    return "", answer.strip()
+
+
+@dataclass
+class Formatted:
+    """A formatted example and the character span of each segment.
+
+    `text[:prompt_end]` is the prompt, `text[prompt_end:reasoning_end]` the reasoning and the
+    rest the answer (`\\n#### 42`).
+    """
+
+    text: str
+    prompt_end: int
+    reasoning_end: int
+
+
+def format_prompt(question: str, template: str = DEFAULT_TEMPLATE, tokenizer: Any = None) -> str:
+    """The prompt string a model is trained and evaluated with.
+
+    With a tokenizer that has a chat template, the question goes in a user turn and the
+    assistant turn is opened; otherwise `template.format(question=...)`.
+    """
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+    return template.format(question=question)
+
+
+def format_example(
+    record: Mapping[str, Any],
+    template: str = DEFAULT_TEMPLATE,
+    tokenizer: Any = None,
+    rationale_field: str | None = None,
+) -> Formatted:
+    """Format a record as prompt + " " + rationale + "\\n#### " + final.
+
+    `rationale_field` names a column with another rationale (e.g. a teacher's own chain of
+    thought) to use instead of the reference one; its `####` final answer wins if it has one.
+    """
+    rationale, final = split_answer(str(record["answer"]))
+    if rationale_field is not None:
+        if rationale_field not in record:
+            raise DataError(f"record has no rationale field {rationale_field!r} (has {sorted(record)})")
+        alt_rationale, alt_final = split_answer(str(record[rationale_field]))
+        rationale, final = alt_rationale, (alt_final if ANSWER_MARKER in str(record[rationale_field]) else final)
+    prompt = format_prompt(str(record["question"]), template, tokenizer)
+    reasoning = f" {rationale}" if rationale else ""
+    text = f"{prompt}{reasoning}\n{ANSWER_MARKER} {final}"
+    return Formatted(text, len(prompt), len(prompt) + len(reasoning))
+
+
+# ----------------------------------------------------------------------------- tokenisation
+
+
+def char_segments(f: Formatted) -> Tensor:
+    """Segment id of every character of `f.text`: `[len(text)]`."""
+    seg = torch.full((len(f.text),), ANSWER, dtype=torch.long)
+    seg[: f.reasoning_end] = REASONING
+    seg[: f.prompt_end] = PROMPT
+    return seg
+
+
+def tokenize_example(
+    tokenizer: Any,
+    record: Mapping[str, Any],
+    max_length: int = 512,
+    template: str = DEFAULT_TEMPLATE,
+    rationale_field: str | None = None,
+    use_chat_template: bool = False,
+) -> dict[str, Tensor]:
+    """Tokenize one record for training.
+
+    Returns:
+        dict of 1-D tensors `[T]`: `input_ids`, `attention_mask`, `labels` (prompt = -100, so the
+        LM loss sees only reasoning + answer), `segment_ids` (0 prompt, 1 reasoning, 2 answer).
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(
+            f"{type(tokenizer).__name__} is a slow tokenizer: segments need character offsets "
+            "(`return_offsets_mapping`); load it with use_fast=True"
+        )
+    f = format_example(record, template, tokenizer if use_chat_template else None, rationale_field)
+    chat = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
+    # a chat template already holds its special tokens (BOS etc.); do not add them twice
+    enc = tokenizer(f.text, return_offsets_mapping=True, add_special_tokens=not chat, truncation=False)
+    ids = list(enc["input_ids"])
+    # a token belongs to the segment of its *last* character: " 17" after the prompt's
+    # "Answer:" is a reasoning token, so the LM loss learns to emit it.
+    ends = torch.tensor([max(e - 1, 0) if e > s else -1 for s, e in enc["offset_mapping"]], dtype=torch.long)
+    chars = char_segments(f)
+    seg = torch.where(ends >= 0, chars[ends.clamp(min=0)], torch.tensor(PROMPT))  # special tokens
+    if ids and tokenizer.eos_token_id is not None and ids[-1] != tokenizer.eos_token_id:
+        ids.append(tokenizer.eos_token_id)  # the model learns to stop after the answer
+        seg = torch.cat([seg, torch.tensor([ANSWER])])
+    # specials after the prompt (e.g. a chat template's end-of-turn) keep their neighbour's segment
+    seg = torch.cummax(seg, dim=0).values
+    if len(ids) > max_length:
+        warnings.warn(
+            f"an example of {len(ids)} tokens was cut to max_length={max_length}; its answer may be lost "
+            "(raise max_length)",
+            stacklevel=2,
+        )
+    input_ids = torch.tensor(ids[:max_length], dtype=torch.long)
+    seg = seg[:max_length]
+    labels = torch.where(seg == PROMPT, torch.tensor(-100), input_ids)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "labels": labels,
+        "segment_ids": seg,
+    }
+
+
+def pad_batch(features: Sequence[Mapping[str, Tensor]], pad_id: int, side: str = "right") -> dict[str, Tensor]:
+    """Pad 1-D tensors to the longest in the batch: `[T]` each -> `[B, T_max]`."""
+    T = max(len(f["input_ids"]) for f in features)
+    fill = {"input_ids": pad_id, "attention_mask": 0, "labels": -100, "segment_ids": PAD}
+    out: dict[str, Tensor] = {}
+    for key, value in fill.items():
+        if key not in features[0]:
+            continue
+        rows = []
+        for f in features:
+            x, n = f[key], T - len(f[key])
+            pad = torch.full((n,), value, dtype=x.dtype)
+            rows.append(torch.cat([x, pad]) if side == "right" else torch.cat([pad, x]))
+        out[key] = torch.stack(rows)  # [B, T]
+    return out
+
+
+@dataclass
+class TeacherView:
+    """How one teacher sees an example: its own tokenizer and/or its own rationale column."""
+
+    tokenizer: Any
+    rationale_field: str | None = None
+
+
+@dataclass
+class DistillCollator:
+    """Tokenize records per batch for the student and every teacher that sees the text differently.
+
+    Returns a batch with the student's `input_ids, attention_mask, labels, segment_ids` `[B, T]`,
+    `index [B]` (record ids, for per-sample teacher weights) and `teacher_inputs`:
+    `{teacher name: {input_ids, attention_mask, segment_ids}}` for teachers listed in `teachers`
+    (those with another tokenizer or rationale; the others reuse the student's tensors).
+    """
+
+    tokenizer: Any
+    max_length: int = 512
+    template: str = DEFAULT_TEMPLATE
+    use_chat_template: bool = False
+    teachers: dict[str, TeacherView] = field(default_factory=dict)
+
+    def _encode(self, tok: Any, records: Sequence[Mapping], rationale_field: str | None) -> dict[str, Tensor]:
+        feats = [
+            tokenize_example(tok, r, self.max_length, self.template, rationale_field, self.use_chat_template)
+            for r in records
+        ]
+        return pad_batch(feats, tok.pad_token_id if tok.pad_token_id is not None else 0)
+
+    def __call__(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        batch: dict[str, Any] = self._encode(self.tokenizer, records, None)
+        batch["index"] = torch.tensor([int(r.get("index", i)) for i, r in enumerate(records)])
+        teacher_inputs = {}
+        for name, view in self.teachers.items():
+            enc = self._encode(view.tokenizer, records, view.rationale_field)
+            enc.pop("labels")
+            teacher_inputs[name] = enc
+        if teacher_inputs:
+            batch["teacher_inputs"] = teacher_inputs
+        return batch

@@ -1,0 +1,168 @@
+"""Loading models and tokenizers: the real `from_pretrained` path, with errors that say what to do.
+
+A Hub id or a local directory both work. Where the Hub is out of reach we fail fast with a
+message naming what was asked and how to fix it, instead of letting `huggingface_hub` retry
+for a minute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+DTYPES: dict[str, torch.dtype | str] = {
+    "auto": "auto",
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+QUANTIZATIONS = (None, "4bit", "8bit")
+
+
+class ModelLoadError(OSError):
+    """A model or tokenizer could not be loaded; the message says why and how to fix it."""
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    if dtype is None:
+        return "auto"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """One TCP connect to the Hub endpoint: seconds, instead of huggingface_hub's retry loop."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    parsed = urlparse(endpoint)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _source_kwargs(name_or_path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+    """Decide local dir vs Hub id; for a Hub id out of reach, only the local HF cache is tried."""
+    name = str(name_or_path)
+    if Path(name).exists():
+        return name, {}
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(os.sep)
+    if looks_like_path:
+        raise ModelLoadError(
+            f"no such model directory: {name!r}. Give an existing local directory (one written by "
+            "`save_pretrained`) or a Hub id like 'Qwen/Qwen2.5-0.5B'."
+        )
+    if _hub_offline() or not _hub_reachable():
+        return name, {"local_files_only": True}
+    return name, {}
+
+
+def _load_error(kind: str, name: str, err: Exception) -> ModelLoadError:
+    return ModelLoadError(
+        f"could not load {kind} {name!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}\n"
+        "  - if it is a Hub id and this machine has no network: download it elsewhere "
+        "(`huggingface-cli download ID --local-dir DIR`) and pass the local DIR instead;\n"
+        "  - set HF_HUB_OFFLINE=1 to use only the local Hub cache without network retries;\n"
+        "  - if it is a local directory: check the path and that it holds config.json and weights."
+    )
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any):
+    """`AutoTokenizer.from_pretrained` with a pad token guaranteed (falls back to EOS)."""
+    name, extra = _source_kwargs(name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(name, **extra, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _load_error("tokenizer", name, err) from err
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = None,
+    quantization: str | None = None,
+    **kwargs: Any,
+) -> PreTrainedModel:
+    """Load a causal LM from a Hub id or a local directory.
+
+    Args:
+        name_or_path: Hub id ("Qwen/Qwen2.5-0.5B") or a local `save_pretrained` directory.
+        dtype: "auto" | "fp32" | "bf16" | "fp16" (or a torch.dtype).
+        device: where to put the weights (ignored with quantization, which places them itself).
+        quantization: None, "4bit" or "8bit" (bitsandbytes; only when asked for).
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    name, extra = _source_kwargs(name_or_path)
+    torch_dtype = resolve_dtype(dtype)
+    if quantization is not None:
+        extra["quantization_config"] = _bnb_config(quantization, torch_dtype)
+        extra["device_map"] = {"": device or (0 if torch.cuda.is_available() else "cpu")}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **extra, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _load_error("model", name, err) from err
+    if device is not None and quantization is None:
+        model.to(device)
+    return model
+
+
+def _bnb_config(quantization: str, compute_dtype: torch.dtype | str):
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ModelLoadError(
+            f"quantization={quantization!r} needs bitsandbytes: `pip install 'kvdistill[quant]'` "
+            "(CUDA only), or set the teacher's quantization to null"
+        ) from err
+    from transformers import BitsAndBytesConfig
+
+    compute = compute_dtype if isinstance(compute_dtype, torch.dtype) else torch.bfloat16
+    if quantization == "4bit":
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute
+        )
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+# fields that change with how a model was saved, not with what it is
+_VOLATILE = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "use_cache"}
+
+
+def config_hash(model_or_config: PreTrainedModel | PretrainedConfig | dict) -> str:
+    """A short, stable hash of an architecture config (for layer-map and checkpoint provenance)."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    d = cfg if isinstance(cfg, dict) else cfg.to_dict()
+    d = {k: v for k, v in d.items() if k not in _VOLATILE}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def num_layers(model: PreTrainedModel) -> int:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+
+
+def param_count(module: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)

@@ -1,0 +1,45 @@
+"""CLI entry and the README/CI contract."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from kvdistill import __version__
+from kvdistill.cli import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_version_and_help(capsys):
+    try:
+        main(["--version"])
+    except SystemExit as e:
+        assert e.code == 0
+    assert __version__ in capsys.readouterr().out
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert name in out
+
+
+def test_console_script_runs():
+    r = subprocess.run([sys.executable, "-m", "kvdistill.cli", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "layer-map" in r.stdout
+
+
+def test_every_command_module_has_main():
+    import importlib
+
+    for name, (module, _) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        assert callable(getattr(mod, "main", None)), f"{name}: {module}.main missing"
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", readme, re.S)
+    commands = [line.strip() for b in blocks for line in b.splitlines() if line.strip().startswith("bash scripts/")]
+    assert "bash scripts/test.sh" in commands and "bash scripts/demo.sh" in commands
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "bash scripts/test.sh" in ci and "HF_HUB_OFFLINE=1" in ci

@@ -1,0 +1,105 @@
+"""Data: formatting, segments under two tokenizers, labels, loaders, collator."""
+
+import json
+
+import pytest
+import torch
+
+from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING
+from kvdistill.data import (
+    DataError,
+    DistillCollator,
+    TeacherView,
+    format_example,
+    load_records,
+    split_answer,
+    tokenize_example,
+)
+from kvdistill.models import load_tokenizer
+
+REC = {"question": "Tom has 12 apples. Tom buys 5 more apples. How many apples does Tom have now?",
+       "answer": "12 + 5 = 17.\n#### 17"}
+
+
+def test_split_and_format():
+    assert split_answer("a\nb\n#### 1,234") == ("a\nb", "1,234")
+    assert split_answer("42") == ("", "42")
+    f = format_example(REC)
+    assert f.text[: f.prompt_end].endswith("Answer:")
+    assert f.text[f.prompt_end : f.reasoning_end] == " 12 + 5 = 17."
+    assert f.text[f.reasoning_end :] == "\n#### 17"
+
+
+def _segment_texts(tok, enc):
+    return {s: tok.decode(enc["input_ids"][enc["segment_ids"] == s]) for s in (PROMPT, REASONING, ANSWER)}
+
+
+@pytest.mark.parametrize("tok_name", ["bpe", "bpe_alt"])
+def test_segments_follow_characters_under_any_tokenizer(tiny_world, tok_name):
+    tok = load_tokenizer(tiny_world.tokenizers[tok_name])
+    enc = tokenize_example(tok, REC)
+    f = format_example(REC)
+    texts = _segment_texts(tok, enc)
+    assert texts[PROMPT] == f.text[: f.prompt_end]
+    assert texts[REASONING] == " 12 + 5 = 17."
+    assert texts[ANSWER] == "\n#### 17" + tok.eos_token
+    # segments are contiguous and ordered
+    assert torch.all(enc["segment_ids"][1:] >= enc["segment_ids"][:-1])
+
+
+def test_two_tokenizers_differ_in_length_but_agree_on_segment_text(tiny_world):
+    a = tokenize_example(load_tokenizer(tiny_world.tokenizers["bpe"]), REC)
+    b = tokenize_example(load_tokenizer(tiny_world.tokenizers["bpe_alt"]), REC)
+    assert len(a["input_ids"]) != len(b["input_ids"])
+    for s in (PROMPT, REASONING, ANSWER):
+        assert (a["segment_ids"] == s).any() and (b["segment_ids"] == s).any()
+
+
+def test_labels_mask_prompt_only(tiny_world):
+    tok = load_tokenizer(tiny_world.tokenizers["bpe"])
+    enc = tokenize_example(tok, REC)
+    prompt = enc["segment_ids"] == PROMPT
+    assert torch.all(enc["labels"][prompt] == -100)
+    assert torch.equal(enc["labels"][~prompt], enc["input_ids"][~prompt])
+
+
+def test_rationale_field_replaces_reference():
+    rec = {**REC, "t1": "5 + 12 = 17.\nSo 17.\n#### 17"}
+    f = format_example(rec, rationale_field="t1")
+    assert "So 17." in f.text and "12 + 5" not in f.text
+    with pytest.raises(DataError, match="no rationale field"):
+        format_example(REC, rationale_field="t2")
+
+
+def test_collator_pads_and_adds_teacher_views(tiny_world):
+    tok = load_tokenizer(tiny_world.tokenizers["bpe"])
+    alt = load_tokenizer(tiny_world.tokenizers["bpe_alt"])
+    records = load_records(tiny_world.data_dir, "train", limit=3)
+    batch = DistillCollator(tok, max_length=256, teachers={"alt": TeacherView(alt)})(records)
+    B, T = batch["input_ids"].shape
+    assert B == 3 and batch["labels"].shape == (B, T) == batch["segment_ids"].shape
+    pad = batch["attention_mask"] == 0
+    assert torch.all(batch["segment_ids"][pad] == PAD) and torch.all(batch["labels"][pad] == -100)
+    t = batch["teacher_inputs"]["alt"]
+    assert t["input_ids"].shape[0] == 3 and "labels" not in t
+    assert t["input_ids"].shape[1] != T
+
+
+def test_load_records_formats_and_field_map(tmp_path):
+    rows = [{"Q": f"q{i}", "A": f"r\n#### {i}"} for i in range(5)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    recs = load_records(tmp_path, "train", field_map={"question": "Q", "answer": "A"}, limit=3)
+    assert recs == [{"question": f"q{i}", "answer": f"r\n#### {i}"} for i in range(3)]
+    import datasets
+
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "x.parquet"))
+    assert len(load_records(tmp_path / "x.parquet", "train", field_map={"question": "Q", "answer": "A"})) == 5
+    with pytest.raises(DataError, match="columns"):
+        load_records(tmp_path / "x.parquet", "train")
+    with pytest.raises(DataError, match="not found"):
+        load_records(tmp_path / "missing.jsonl")
+
+
+def test_unreachable_hub_dataset_fails_clearly():
+    with pytest.raises(DataError, match="without network"):
+        load_records("nobody-here/not-a-dataset-xyz", "train")
