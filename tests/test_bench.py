@@ -9,7 +9,7 @@ import pytest
 
 from kvdistill import bench
 
-FAKE = '''
+FAKE = """
 def run(quick: bool) -> dict:
     n = 2 if quick else 4
     return {
@@ -17,12 +17,12 @@ def run(quick: bool) -> dict:
         "results": [{"case": f"n={i}", "ms": 0.5 * i, "shape": [2, i]} for i in range(1, n + 1)],
         "ratio": 2.5, "target": 2.0, "passed": True, "note": "synthetic",
     }
-'''
+"""
 
-SLOW = '''
+SLOW = """
 def run(quick: bool) -> dict:
     return {"results": [{"case": "x", "ms": 9.0}], "ratio": 1.1, "target": 2.0, "passed": False}
-'''
+"""
 
 BROKEN = """
 def run(quick: bool) -> dict:

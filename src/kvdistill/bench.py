@@ -229,7 +229,9 @@ def write_readme(out_dir: Path) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvdistill bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default="", help="comma-separated benchmark names (e.g. align,cka,step); default all")
+    p.add_argument(
+        "--only", default="", help="comma-separated benchmark names (e.g. align,cka,step); default all"
+    )
     p.add_argument("--quick", action="store_true", help="small sizes / few repeats (seconds)")
     p.add_argument("--out", default=None, help="output directory (default: <benchmarks dir>/results)")
     p.add_argument("--benchmarks-dir", default=None, help="directory holding bench_*.py (default: found)")

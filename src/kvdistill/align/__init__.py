@@ -3,7 +3,7 @@
 A plain list of re-exports: add a module's public names below as one import line each.
 """
 
-# ruff: noqa: F401
+# ruff: noqa: F401, I001
 from kvdistill.align.projectors import (
     PROJECTOR_KINDS,
     ElasticBottleneck,
@@ -11,3 +11,20 @@ from kvdistill.align.projectors import (
     build_projector,
     param_count,
 )
+from kvdistill.align.time import TIME_MODES, TimeIndex, resample, time_index
+from kvdistill.align.layers import (
+    LAYER_MAP_KINDS,
+    apply_layer_map,
+    build_layer_map,
+    last_k_map,
+    load_layer_map,
+)
+from kvdistill.align.layers import (
+    mapped_rows,
+    proportional_map,
+    read_layer_map,
+    save_layer_map,
+    validate_layer_map,
+)
+from kvdistill.align.heads import HeadMixer, HeadwiseProjector, flatten_heads, time_major, uniform_head_mix
+from kvdistill.align.aligner import AlignedKV, KVAligner, cache_dims

@@ -1,0 +1,403 @@
+"""`KVAligner`: one teacher's KV cache aligned to the student's, time -> layer -> head -> dim.
+
+```
+teacher KVCache [L_t, B, H_t, T_t, D_t]
+  -> time   resample onto the student's tokens           [L_t, B, H_t, T_s, D_t]
+  -> layer  M [L_s, L_t], one einsum (mapped rows only)  [L_m, B, H_t, T_s, D_t]
+  -> head   flat: [L_m, B, T_s, H_t*D_t]   structured: mix H_t -> H_s, [L_m, B, T_s, H_s, D_t]
+  -> dim    K and V projectors             flat: [L_m, B, T_s, H_s*D_s]   structured: [L_m, B, T_s, H_s, D_s]
+```
+`L_m` = student layers with a non-zero row in the layer map (all of them unless `last_k`).
+With `direction="student_to_teacher"` the head and dim stages run on the student instead, mapping
+it into the teacher's space (DistillKit's choice); time and layer alignment still bring the teacher
+to the student's tokens and layers.
+
+The parameters depend on the models' shapes, so they are created lazily: `setup(teacher, student)`
+(or the first `forward`) reads layers, heads and head dims from the caches. Create the optimizer
+after that. `save` / `load` store the weights (safetensors) with the constructor arguments and dims
+(JSON), so a saved aligner rebuilds without a probe batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from kvdistill.align.heads import HeadMixer, HeadwiseProjector, flatten_heads, time_major
+from kvdistill.align.layers import apply_layer_map, mapped_rows, proportional_map, validate_layer_map
+from kvdistill.align.projectors import PROJECTOR_KINDS, build_projector, param_count
+from kvdistill.align.time import TIME_MODES, resample, time_index
+from kvdistill.cache import KVCache
+
+ALIGNER_FORMAT = "kvdistill.aligner/v1"
+MODES = ("flat", "structured")
+DIRECTIONS = ("teacher_to_student", "student_to_teacher")
+WEIGHTS_NAME, CONFIG_NAME = "aligner.safetensors", "aligner.json"
+
+
+@dataclass
+class AlignedKV:
+    """Student and aligned teacher KV, ready for a loss (both sides have the same shape).
+
+    Attributes:
+        student_keys, student_values, teacher_keys, teacher_values: flat `[L_m, B, T_s, F]` or
+            structured `[L_m, B, T_s, H, D]`, in the student's space (or the teacher's, for
+            `direction="student_to_teacher"`). Student tensors carry the autograd graph; teacher
+            tensors only carry the projectors' graph (teacher_to_student) or none.
+        mask: `[B, T_s]` bool: a real student token whose segment exists on the teacher side.
+        segment_ids: `[B, T_s]` the student's segment ids (None if the student cache has none).
+        student_layers: `[L_m]` which student layers the first axis holds.
+    """
+
+    student_keys: Tensor
+    student_values: Tensor
+    teacher_keys: Tensor
+    teacher_values: Tensor
+    mask: Tensor
+    segment_ids: Tensor | None
+    student_layers: Tensor
+
+
+def cache_dims(teacher: KVCache, student: KVCache) -> dict[str, int]:
+    """The shape facts an aligner is built from."""
+    return {
+        "teacher_layers": teacher.num_layers,
+        "student_layers": student.num_layers,
+        "teacher_heads": teacher.num_heads,
+        "student_heads": student.num_heads,
+        "teacher_key_dim": teacher.keys.shape[-1],
+        "teacher_value_dim": teacher.values.shape[-1],
+        "student_key_dim": student.keys.shape[-1],
+        "student_value_dim": student.values.shape[-1],
+    }
+
+
+class KVAligner(nn.Module):
+    """Align one teacher's KV cache to the student's (time -> layer -> head -> dim).
+
+    Args:
+        mode: "flat" (`[L, B, T, H*D]`, one projector over H*D) or "structured"
+            (`[L, B, T, H, D]`, head mixing + per-head projector).
+        time_mode: "segment" | "global" | "index" (see `kvdistill.align.time`).
+        layer_map: `M [L_s, L_t]`; None -> proportional, built from the first batch's layer counts.
+        projector: "linear" | "elastic".
+        mlp_ratio, dropout, init, layernorm, activation: projector options (`build_projector`).
+        share_layers: one projector (and head mixer) for all layers; False -> one per student layer.
+        share_heads: structured mode: one `D_t -> D_s` projector for all heads; False -> per head.
+        direction: "teacher_to_student" (project the teacher) or "student_to_teacher".
+        project_values: False leaves values without a dim projector (their dims must then match).
+        trainable: False freezes projectors and head mixers.
+
+    Example:
+        >>> aligner = KVAligner(mode="flat", projector="linear")
+        >>> aligner.setup(teacher_kv, student_kv)  # builds the parameters; create the optimizer after
+        >>> out = aligner(teacher_kv, student_kv)
+        >>> loss, metrics = build_kv_loss("mercator")(out.student_keys, out.teacher_keys, out.mask, out.segment_ids)
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: Literal["flat", "structured"] = "flat",
+        time_mode: Literal["segment", "global", "index"] = "segment",
+        layer_map: Tensor | None = None,
+        projector: Literal["linear", "elastic"] = "linear",
+        mlp_ratio: float = 1.0,
+        dropout: float = 0.0,
+        init: str = "xavier",
+        share_layers: bool = True,
+        share_heads: bool = True,
+        direction: Literal["teacher_to_student", "student_to_teacher"] = "teacher_to_student",
+        project_values: bool = True,
+        layernorm: bool = True,
+        activation: bool = True,
+        trainable: bool = True,
+    ):
+        super().__init__()
+        for name, value, allowed in (
+            ("mode", mode, MODES),
+            ("time_mode", time_mode, TIME_MODES),
+            ("projector", projector, PROJECTOR_KINDS),
+            ("direction", direction, DIRECTIONS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"unknown {name} {value!r}; expected one of {allowed}")
+        self.config: dict[str, Any] = {
+            "mode": mode,
+            "time_mode": time_mode,
+            "projector": projector,
+            "mlp_ratio": mlp_ratio,
+            "dropout": dropout,
+            "init": init,
+            "share_layers": share_layers,
+            "share_heads": share_heads,
+            "direction": direction,
+            "project_values": project_values,
+            "layernorm": layernorm,
+            "activation": activation,
+            "trainable": trainable,
+        }
+        self._dims: dict[str, int] = {}
+        self.register_buffer("layer_map", None if layer_map is None else validate_layer_map(layer_map))
+        self.register_buffer("layer_index", None, persistent=False)
+        self.k_mix: nn.Module | None = None
+        self.v_mix: nn.Module | None = None
+        self.k_proj: nn.Module | None = None
+        self.v_proj: nn.Module | None = None
+
+    # ------------------------------------------------------------------ building
+    @property
+    def built(self) -> bool:
+        return bool(self._dims)
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """The dims the parameters were built with (empty before `setup`)."""
+        return dict(self._dims)
+
+    @property
+    def mode(self) -> str:
+        return self.config["mode"]
+
+    @property
+    def direction(self) -> str:
+        return self.config["direction"]
+
+    def setup(self, teacher: KVCache, student: KVCache) -> None:
+        """Build the parameters from a probe batch's shapes (no-op if built for the same dims)."""
+        dims = cache_dims(teacher, student)
+        if self.built:
+            self._check_dims(dims)
+            return
+        self.build(dims, device=student.keys.device)
+
+    def build(self, dims: dict[str, int], device: torch.device | str | None = None) -> None:
+        """Create layer map buffers, head mixers and projectors for `dims` (see `cache_dims`)."""
+        c, d = self.config, {k: int(v) for k, v in dims.items()}
+        L_s, L_t = d["student_layers"], d["teacher_layers"]
+        if self.layer_map is None:
+            M = proportional_map(L_s, L_t)
+        else:
+            M = validate_layer_map(self.layer_map.cpu(), L_s, L_t)
+        rows = mapped_rows(M)
+        L_m = len(rows)
+        t2s = c["direction"] == "teacher_to_student"
+        src, dst = ("teacher", "student") if t2s else ("student", "teacher")
+        H_in, H_out = d[f"{src}_heads"], d[f"{dst}_heads"]
+        proj_kw = {
+            "mlp_ratio": c["mlp_ratio"],
+            "dropout": c["dropout"],
+            "init": c["init"],
+            "trainable": c["trainable"],
+            "layernorm": c["layernorm"],
+            "activation": c["activation"],
+        }
+        k_in, k_out = d[f"{src}_key_dim"], d[f"{dst}_key_dim"]
+        v_in, v_out = d[f"{src}_value_dim"], d[f"{dst}_value_dim"]
+        if c["mode"] == "flat":
+            k_in, k_out, v_in, v_out = H_in * k_in, H_out * k_out, H_in * v_in, H_out * v_out
+            groups = 1 if c["share_layers"] else L_m
+            self.k_proj = build_projector(c["projector"], k_in, k_out, groups=groups, **proj_kw)
+            self.v_proj = (
+                build_projector(c["projector"], v_in, v_out, groups=groups, **proj_kw)
+                if c["project_values"]
+                else None
+            )
+        else:
+            mix_groups = 1 if c["share_layers"] else L_m
+            self.k_mix = HeadMixer(H_in, H_out, groups=mix_groups, trainable=c["trainable"])
+            self.v_mix = HeadMixer(H_in, H_out, groups=mix_groups, trainable=c["trainable"])
+            groups = (1 if c["share_layers"] else L_m) * (1 if c["share_heads"] else H_out)
+            share = {"share_layers": c["share_layers"], "share_heads": c["share_heads"]}
+            self.k_proj = HeadwiseProjector(
+                build_projector(c["projector"], k_in, k_out, groups=groups, **proj_kw), **share
+            )
+            self.v_proj = (
+                HeadwiseProjector(
+                    build_projector(c["projector"], v_in, v_out, groups=groups, **proj_kw), **share
+                )
+                if c["project_values"]
+                else None
+            )
+        if self.v_proj is None and v_in != v_out:
+            raise ValueError(
+                f"project_values=False needs equal value feature sizes, got {src} {v_in} vs {dst} {v_out} "
+                f"({c['mode']} mode); use project_values=True"
+            )
+        self.layer_map = M
+        self.layer_index = rows
+        self._dims = d
+        if device is not None:
+            self.to(device=device)
+
+    def _check_dims(self, dims: dict[str, int]) -> None:
+        diff = {k: (self._dims[k], v) for k, v in dims.items() if self._dims.get(k) != v}
+        if diff:
+            detail = ", ".join(f"{k}: expected {e}, got {a}" for k, (e, a) in diff.items())
+            raise ValueError(
+                f"KVAligner was built for other cache shapes ({detail}); "
+                "use one aligner per teacher/student pair"
+            )
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, teacher: KVCache, student: KVCache) -> AlignedKV:
+        """Align `teacher` to `student`.
+
+        Args:
+            teacher: `KVCache` keys/values `[L_t, B, H_t, T_t, D_t]` (treated as constant: detached).
+            student: `KVCache` keys/values `[L_s, B, H_s, T_s, D_s]` with the student's graph.
+
+        Returns:
+            `AlignedKV` with both sides `[L_m, B, T_s, F]` (flat) or `[L_m, B, T_s, H, D]` (structured).
+        """
+        self.setup(teacher, student)
+        if teacher.keys.shape[1] != student.keys.shape[1]:
+            raise ValueError(
+                f"teacher batch size {teacher.keys.shape[1]} != student batch size {student.keys.shape[1]}"
+            )
+        idx = time_index(
+            teacher.attention_mask,
+            teacher.segment_ids,
+            student.attention_mask,
+            student.segment_ids,
+            self.config["time_mode"],
+        )
+        rows = self.layer_index.to(student.keys.device)
+        M = self.layer_map.index_select(0, rows)  # [L_m, L_t]
+        all_rows = len(rows) == self._dims["student_layers"]
+
+        def teacher_side(x: Tensor) -> Tensor:
+            x = resample(x.detach().to(student.keys.device), idx, time_dim=3)  # [L_t, B, H_t, T_s, D_t]
+            return apply_layer_map(M, x)  # [L_m, B, H_t, T_s, D_t]
+
+        def student_side(x: Tensor) -> Tensor:
+            return x if all_rows else x.index_select(0, rows)  # [L_m, B, H_s, T_s, D_s]
+
+        t_k, t_v = teacher_side(teacher.keys), teacher_side(teacher.values)
+        s_k, s_v = student_side(student.keys), student_side(student.values)
+        if self.direction == "teacher_to_student":
+            t_k, t_v = (
+                self._project(t_k, self.k_mix, self.k_proj),
+                self._project(t_v, self.v_mix, self.v_proj),
+            )
+            s_k, s_v = self._layout(s_k), self._layout(s_v)
+        else:
+            s_k, s_v = (
+                self._project(s_k, self.k_mix, self.k_proj),
+                self._project(s_v, self.v_mix, self.v_proj),
+            )
+            t_k, t_v = self._layout(t_k), self._layout(t_v)
+        mask = student.attention_mask.bool() & idx.valid  # [B, T_s]
+        return AlignedKV(s_k, s_v, t_k, t_v, mask, student.segment_ids, rows)
+
+    def _layout(self, x: Tensor) -> Tensor:
+        """`[L, B, H, T, D]` -> the loss layout, no parameters."""
+        return flatten_heads(x) if self.mode == "flat" else time_major(x)
+
+    def _project(self, x: Tensor, mix: nn.Module | None, proj: nn.Module | None) -> Tensor:
+        """`[L, B, H_in, T, D_in]` -> head + dim alignment -> loss layout in the target space."""
+        x = self._layout(x)  # [L, B, T, H*D] or [L, B, T, H, D]
+        if proj is not None:
+            x = x.to(self._param_dtype())
+        if mix is not None:
+            x = mix(x)  # [L, B, T, H_out, D_in]
+        return x if proj is None else proj(x)  # [L, B, T, F_out] or [L, B, T, H_out, D_out]
+
+    def _param_dtype(self) -> torch.dtype:
+        p = next(self.parameters(), None)
+        return torch.float32 if p is None else p.dtype
+
+    # ------------------------------------------------------------------ save / load
+    def save(self, path: str | Path) -> Path:
+        """Write weights (safetensors) and constructor args + dims (JSON).
+
+        `path` is a directory (-> `aligner.safetensors` + `aligner.json` inside) or a file ending
+        in `.safetensors` (-> the JSON next to it, same stem). Returns the weights path.
+        """
+        from safetensors.torch import save_file
+
+        if not self.built:
+            raise ValueError("KVAligner has no parameters yet: call setup(teacher, student) before save")
+        weights, meta = _paths(Path(path))
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(weights), metadata={"format": ALIGNER_FORMAT})
+        meta.write_text(
+            json.dumps({"format": ALIGNER_FORMAT, "config": self.config, "dims": self._dims}, indent=1)
+        )
+        return weights
+
+    @classmethod
+    def load(cls, path: str | Path, map_location: str | torch.device = "cpu") -> KVAligner:
+        """Rebuild an aligner saved with `save` (directory or `.safetensors` file)."""
+        from safetensors.torch import load_file
+
+        weights, meta = _paths(Path(path))
+        if not weights.is_file() or not meta.is_file():
+            raise FileNotFoundError(f"no saved aligner at {path} (expected {weights} and {meta})")
+        doc = json.loads(meta.read_text())
+        if doc.get("format") != ALIGNER_FORMAT:
+            raise ValueError(f"{meta} is not a saved KVAligner (format {doc.get('format')!r})")
+        state = load_file(str(weights), device=str(map_location))
+        aligner = cls(**doc["config"], layer_map=state.get("layer_map"))
+        aligner.build(doc["dims"], device=map_location)
+        aligner.load_state_dict(state, strict=True)
+        return aligner
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, map_location: str | torch.device = "cpu") -> KVAligner:
+        """Alias of `load`, for symmetry with `transformers`."""
+        return cls.load(path, map_location=map_location)
+
+    # ------------------------------------------------------------------ reporting
+    def param_counts(self) -> dict[str, int]:
+        """Parameters per component: key/value head mixers and projectors, and the total."""
+        parts = {
+            "key_head_mix": self.k_mix,
+            "value_head_mix": self.v_mix,
+            "key_proj": self.k_proj,
+            "value_proj": self.v_proj,
+        }
+        counts = {name: param_count(m) for name, m in parts.items() if m is not None}
+        counts["total"] = param_count(self)
+        counts["trainable"] = param_count(self, trainable_only=True)
+        return counts
+
+    def summary(self) -> str:
+        """A few lines: options, dims, layer map coverage, parameter counts per component."""
+        c = self.config
+        lines = [
+            f"KVAligner mode={c['mode']} direction={c['direction']} time={c['time_mode']} "
+            f"projector={c['projector']} (mlp_ratio={c['mlp_ratio']}, init={c['init']}, "
+            f"share_layers={c['share_layers']}, share_heads={c['share_heads']})"
+        ]
+        if not self.built:
+            return lines[0] + "\n  not built yet: call setup(teacher, student)"
+        d = self._dims
+        lines.append(
+            f"  teacher L={d['teacher_layers']} H={d['teacher_heads']} Dk={d['teacher_key_dim']} "
+            f"Dv={d['teacher_value_dim']} -> student L={d['student_layers']} H={d['student_heads']} "
+            f"Dk={d['student_key_dim']} Dv={d['student_value_dim']}"
+        )
+        lines.append(
+            f"  layer map: {len(self.layer_index)} of {d['student_layers']} student layers distilled"
+        )
+        for name, n in self.param_counts().items():
+            lines.append(f"  {name:<15} {n:>14,d}")
+        return "\n".join(lines)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        dims = ", ".join(f"{k}={v}" for k, v in self._dims.items()) if self.built else "not built"
+        return f"mode={c['mode']}, direction={c['direction']}, time_mode={c['time_mode']}, {dims}"
+
+
+def _paths(path: Path) -> tuple[Path, Path]:
+    if path.suffix == ".safetensors":
+        return path, path.with_suffix(".json")
+    return path / WEIGHTS_NAME, path / CONFIG_NAME

@@ -1,0 +1,421 @@
+"""Linear CKA between every student layer and every teacher layer, streamed; top-k layer maps.
+
+CKA (Kornblith et al. 2019) compares two representations of the same `n` inputs, `X [n, d_x]`
+and `Y [n, d_y]`, through their Gram matrices `K = X Xᵀ`, `L = Y Yᵀ` (both `[n, n]`):
+
+    CKA(X, Y) = HSIC(K, L) / sqrt(HSIC(K, K) · HSIC(L, L))
+
+**Why minibatch CKA on Gram matrices (Nguyen et al. 2021), not streamed cross-covariances.**
+Exact streaming of the full-batch statistic needs `Σ Xᵀ Y` for every layer pair: for a 24-layer
+896-dim student and a 28-layer 3584-dim teacher that is `[24, 28, 896, 3584]` = 2.2 G numbers
+(17 GB in float64). Storing the features instead (100 samples × 512 tokens) is ~25 GB. So we
+average HSIC over minibatches of `n_b` rows: each minibatch costs one Gram `[L, n_b, n_b]` per
+model (`(24 + 28) · 1024² · 8 B` = 436 MB in float64 at `n_b = 1024`) and all `L_s × L_t` pairs
+come from one matmul of the flattened Grams `[L_s, n_b²] @ [n_b², L_t]`; only `[L_s, L_t]`,
+`[L_s]` and `[L_t]` sums survive a minibatch. With `debiased=True` each minibatch uses the
+unbiased HSIC estimator (Song et al. 2012), so the average is an unbiased estimate of the
+population HSIC whatever `n_b` is; the biased (plain) estimator carries an `O(1/n_b)` bias.
+
+`StreamingCKA` buffers incoming rows and cuts them into minibatches of exactly `minibatch_size`
+rows, so its result does not depend on how the data was chunked into `update` calls; with
+`minibatch_size >= n` it equals the one-shot full-batch CKA (`cka_matrix`).
+
+Example:
+    >>> acc = StreamingCKA(debiased=True)
+    >>> for hs_student, hs_teacher, mask in batches:  # [L, B, T, d] each, mask [B, T]
+    ...     acc.update(pool_features(hs_student, mask), pool_features(hs_teacher, mask))
+    >>> S = acc.compute()  # [L_s, L_t]
+    >>> M = topk_layer_map(S, k=2, monotonic=True)  # [L_s, L_t], rows sum to 1
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Pooling = Literal["tokens", "mean"]
+POOLINGS = ("tokens", "mean")
+
+# a monotonic top-k search holds L_t**k scores per student layer; refuse beyond this many
+_MAX_MONOTONIC_STATES = 1 << 22
+
+
+# --------------------------------------------------------------------------- Gram statistics
+
+
+def gram(x: Tensor, *, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Linear-kernel Gram matrices of column-centred features.
+
+    Centring the features first (mean in float64) keeps large shared offsets out of the Gram, so
+    `dtype=float32` stays accurate; HSIC is translation invariant, so the result is unchanged.
+
+    Args:
+        x: `[..., n, d]` features (any dtype; upcast).
+        dtype: computation dtype.
+
+    Returns:
+        `[..., n, n]` Gram matrices `Xc Xcᵀ`.
+    """
+    mean = x.to(torch.float64).mean(dim=-2, keepdim=True)  # [..., 1, d]
+    xc = x.to(dtype) - mean.to(dtype)  # [..., n, d]
+    return xc @ xc.transpose(-1, -2)  # [..., n, n]
+
+
+def center_gram(k: Tensor, *, debiased: bool = False) -> Tensor:
+    """Centre Gram matrices so that `HSIC(K, L) = <center(K), center(L)>_F / norm(n)`.
+
+    Plain: double centring `H K H` with `H = I - 11ᵀ/n`. Debiased: U-centring (Székely & Rizzo
+    2014), which zeroes the diagonal and removes row/column means computed without it; the
+    Frobenius product of two U-centred Grams divided by `n (n - 3)` is the unbiased HSIC estimator
+    of Song et al. (2012).
+
+    Args:
+        k: `[..., n, n]` symmetric Gram matrices.
+        debiased: U-centring instead of double centring.
+
+    Returns:
+        `[..., n, n]` centred Grams (same dtype).
+    """
+    n = k.shape[-1]
+    if not debiased:
+        row = k.mean(dim=-1, keepdim=True)  # [..., n, 1]
+        col = k.mean(dim=-2, keepdim=True)  # [..., 1, n]
+        return k - row - col + k.mean(dim=(-2, -1), keepdim=True)
+    if n < 4:
+        raise ValueError(f"the debiased HSIC estimator needs at least 4 rows, got {n}")
+    eye = torch.eye(n, dtype=torch.bool, device=k.device)
+    k = k.masked_fill(eye, 0.0)  # [..., n, n] zero diagonal
+    row = k.sum(dim=-1, keepdim=True) / (n - 2)  # [..., n, 1]
+    col = k.sum(dim=-2, keepdim=True) / (n - 2)  # [..., 1, n]
+    total = k.sum(dim=(-2, -1), keepdim=True) / ((n - 1) * (n - 2))  # [..., 1, 1]
+    return (k - row - col + total).masked_fill(eye, 0.0)
+
+
+def _hsic_norm(n: int, debiased: bool) -> float:
+    return float(n * (n - 3)) if debiased else float((n - 1) ** 2)
+
+
+def hsic_matrix(kx: Tensor, ky: Tensor, *, debiased: bool = False) -> Tensor:
+    """HSIC between every pair of centred Grams, in one matmul.
+
+    Args:
+        kx: `[L_x, n, n]` Grams centred with `center_gram(..., debiased=debiased)`.
+        ky: `[L_y, n, n]` likewise.
+
+    Returns:
+        `[L_x, L_y]` HSIC estimates.
+    """
+    n = kx.shape[-1]
+    hsic = kx.flatten(1) @ ky.flatten(1).transpose(0, 1)  # [L_x, n²] @ [n², L_y] -> [L_x, L_y]
+    return hsic / _hsic_norm(n, debiased)
+
+
+def _self_hsic(kc: Tensor, debiased: bool) -> Tensor:
+    """`[L]` HSIC(K_l, K_l) of centred Grams `[L, n, n]` (the diagonal of `hsic_matrix`)."""
+    return kc.pow(2).sum(dim=(-2, -1)) / _hsic_norm(kc.shape[-1], debiased)
+
+
+def _cka_from_sums(hsic_xy: Tensor, hsic_xx: Tensor, hsic_yy: Tensor) -> Tensor:
+    """`[L_x, L_y]` CKA from HSIC sums; a constant (zero-variance) layer gets similarity 0."""
+    denom = (hsic_xx.clamp_min(0)[:, None] * hsic_yy.clamp_min(0)[None, :]).sqrt()  # [L_x, L_y]
+    return torch.where(denom > 0, hsic_xy / denom.clamp_min(torch.finfo(denom.dtype).tiny), 0.0)
+
+
+def cka_matrix(x: Tensor, y: Tensor, *, debiased: bool = False, dtype: torch.dtype = torch.float64) -> Tensor:
+    """One-shot linear CKA between every layer of `x` and every layer of `y` on the same rows.
+
+    Args:
+        x: `[L_x, n, d_x]` features of `n` rows (tokens or samples) per layer.
+        y: `[L_y, n, d_y]` features of the same rows.
+        debiased: use the unbiased HSIC estimator (needs `n >= 4`).
+        dtype: Gram computation dtype (HSIC sums always in float64).
+
+    Returns:
+        `[L_x, L_y]` CKA similarities (float64).
+    """
+    if x.dim() != 3 or y.dim() != 3 or x.shape[1] != y.shape[1]:
+        raise ValueError(
+            f"expected x [L_x, n, d_x] and y [L_y, n, d_y]; got {tuple(x.shape)}, {tuple(y.shape)}"
+        )
+    kx = center_gram(gram(x, dtype=dtype).double(), debiased=debiased)  # [L_x, n, n]
+    ky = center_gram(gram(y, dtype=dtype).double(), debiased=debiased)  # [L_y, n, n]
+    return _cka_from_sums(
+        hsic_matrix(kx, ky, debiased=debiased), _self_hsic(kx, debiased), _self_hsic(ky, debiased)
+    )
+
+
+def linear_cka(x: Tensor, y: Tensor, *, debiased: bool = False, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Linear CKA of one pair `x [n, d_x]`, `y [n, d_y]` (scalar float64 tensor)."""
+    return cka_matrix(x[None], y[None], debiased=debiased, dtype=dtype)[0, 0]
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+class StreamingCKA:
+    """Minibatch linear CKA between all layers of two models, accumulated batch by batch.
+
+    Rows arrive through `update` in any chunking; they are buffered and cut into minibatches of
+    exactly `minibatch_size` rows (the last, shorter one is used by `compute` if it has enough
+    rows). Per minibatch `b` of `n_b` rows we add `n_b · HSIC_b` to float64 sums, and
+
+        CKA = Σ_b n_b HSIC_b(X, Y) / sqrt(Σ_b n_b HSIC_b(X, X) · Σ_b n_b HSIC_b(Y, Y)).
+
+    Memory: the buffer (< `minibatch_size` rows plus one update) and two Gram stacks
+    `[L, n_b, n_b]`; nothing grows with the number of rows seen.
+
+    Args:
+        minibatch_size: rows per minibatch; `None` keeps every row and computes full-batch CKA
+            (only for small data, e.g. mean-pooled samples).
+        debiased: unbiased HSIC estimator per minibatch.
+        dtype: Gram computation dtype (float64 default; float32 halves memory and time).
+    """
+
+    def __init__(
+        self, minibatch_size: int | None = 1024, *, debiased: bool = False, dtype: torch.dtype = torch.float64
+    ):
+        min_rows = 4 if debiased else 2
+        if minibatch_size is not None and minibatch_size < min_rows:
+            raise ValueError(
+                f"minibatch_size must be >= {min_rows} (debiased={debiased}), got {minibatch_size}"
+            )
+        self.minibatch_size = minibatch_size
+        self.debiased = debiased
+        self.dtype = dtype
+        self.min_rows = min_rows
+        self.reset()
+
+    def reset(self) -> None:
+        self._buf_x: list[Tensor] = []
+        self._buf_y: list[Tensor] = []
+        self._buffered = 0
+        self.hsic_xy: Tensor | None = None  # [L_x, L_y] float64
+        self.hsic_xx: Tensor | None = None  # [L_x]
+        self.hsic_yy: Tensor | None = None  # [L_y]
+        self.num_minibatches = 0
+        self.num_rows = 0  # rows seen (buffered or reduced)
+
+    def _minibatch_stats(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        n = x.shape[1]
+        kx = center_gram(gram(x, dtype=self.dtype).double(), debiased=self.debiased)  # [L_x, n, n]
+        ky = center_gram(gram(y, dtype=self.dtype).double(), debiased=self.debiased)  # [L_y, n, n]
+        return (
+            n * hsic_matrix(kx, ky, debiased=self.debiased),  # [L_x, L_y]
+            n * _self_hsic(kx, self.debiased),  # [L_x]
+            n * _self_hsic(ky, self.debiased),  # [L_y]
+        )
+
+    def _add(self, x: Tensor, y: Tensor) -> None:
+        xy, xx, yy = self._minibatch_stats(x, y)
+        if self.hsic_xy is None:
+            self.hsic_xy, self.hsic_xx, self.hsic_yy = xy, xx, yy
+        else:
+            self.hsic_xy += xy
+            self.hsic_xx += xx
+            self.hsic_yy += yy
+        self.num_minibatches += 1
+
+    @torch.no_grad()
+    def update(self, x: Tensor, y: Tensor) -> None:
+        """Add rows. `x [L_x, n, d_x]`, `y [L_y, n, d_y]`: the same `n` rows seen by both models."""
+        if x.dim() != 3 or y.dim() != 3 or x.shape[1] != y.shape[1]:
+            raise ValueError(
+                f"expected x [L_x, n, d_x] and y [L_y, n, d_y] with equal n; got {tuple(x.shape)}, {tuple(y.shape)}"
+            )
+        if self._buf_x and (
+            x.shape[::2] != self._buf_x[0].shape[::2] or y.shape[::2] != self._buf_y[0].shape[::2]
+        ):
+            raise ValueError("layer count or feature dim changed between updates")
+        if x.shape[1] == 0:
+            return
+        # keep the buffer compact and in the computation dtype, detached from any graph
+        self._buf_x.append(x.detach().to(self.dtype))  # [L_x, n, d_x]
+        self._buf_y.append(y.detach().to(self.dtype))  # [L_y, n, d_y]
+        self._buffered += x.shape[1]
+        self.num_rows += x.shape[1]
+        mb = self.minibatch_size
+        if mb is None or self._buffered < mb:
+            return
+        bx, by = torch.cat(self._buf_x, dim=1), torch.cat(self._buf_y, dim=1)  # [L, buffered, d]
+        full = (self._buffered // mb) * mb
+        for start in range(0, full, mb):
+            self._add(bx[:, start : start + mb], by[:, start : start + mb])
+        rest = self._buffered - full
+        self._buf_x = [bx[:, full:].clone()] if rest else []
+        self._buf_y = [by[:, full:].clone()] if rest else []
+        self._buffered = rest
+
+    @torch.no_grad()
+    def compute(self) -> Tensor:
+        """`[L_x, L_y]` CKA (float64) over everything seen so far; does not change the state.
+
+        A leftover buffer of at least 4 (debiased) / 2 rows counts as one more minibatch; a
+        smaller one is skipped with a warning (it only happens when more than one minibatch ran).
+        """
+        xy, xx, yy = self.hsic_xy, self.hsic_xx, self.hsic_yy
+        if self._buffered >= self.min_rows:
+            bx, by = torch.cat(self._buf_x, dim=1), torch.cat(self._buf_y, dim=1)
+            rxy, rxx, ryy = self._minibatch_stats(bx, by)
+            xy, xx, yy = (rxy, rxx, ryy) if xy is None else (xy + rxy, xx + rxx, yy + ryy)
+        elif self._buffered:
+            if xy is None:
+                raise ValueError(f"CKA needs at least {self.min_rows} rows, got {self._buffered}")
+            warnings.warn(
+                f"StreamingCKA: skipping the last {self._buffered} row(s), fewer than {self.min_rows}",
+                stacklevel=2,
+            )
+        if xy is None:
+            raise ValueError("StreamingCKA.compute() called before any update()")
+        return _cka_from_sums(xy, xx, yy)
+
+
+# --------------------------------------------------------------------------- features
+
+
+def pool_features(h: Tensor, mask: Tensor, pooling: Pooling = "tokens") -> Tensor:
+    """Per-layer features `[L, n, d]` from a batch `[L, B, T, d]`, padding masked out.
+
+    Args:
+        h: `[L, B, T, d]` hidden states (or flattened K / V `[L, B, T, H·D]`).
+        mask: `[B, T]` 1 real token / 0 padding.
+        pooling: "tokens" keeps every valid token as a row (`n = mask.sum()`); "mean" averages
+            each sample's valid tokens (`n = B`, float32 accumulation).
+
+    Returns:
+        `[L, n, d]` features.
+    """
+    if h.dim() != 4 or tuple(mask.shape) != tuple(h.shape[1:3]):
+        raise ValueError(
+            f"expected h [L, B, T, d] and mask [B, T]; got {tuple(h.shape)}, {tuple(mask.shape)}"
+        )
+    m = mask.to(device=h.device).bool()
+    if pooling == "tokens":
+        return h[:, m]  # [L, n_valid, d]
+    if pooling == "mean":
+        w = m.to(torch.float32)  # [B, T]
+        total = torch.einsum("lbtd,bt->lbd", h.to(torch.float32), w)  # [L, B, d]
+        return total / w.sum(dim=1).clamp_min(1.0)[None, :, None]
+    raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+
+
+def flatten_heads(kv: Tensor) -> Tensor:
+    """`[L, B, H, T, D] -> [L, B, T, H·D]`: one feature vector per token and layer."""
+    L, B, H, T, D = kv.shape
+    return kv.permute(0, 1, 3, 2, 4).reshape(L, B, T, H * D)  # [L, B, T, H·D]
+
+
+# --------------------------------------------------------------------------- top-k maps
+
+
+def normalize_weights(scores: Tensor, temperature: float | None = None) -> Tensor:
+    """Weights `β` over the last axis from similarities.
+
+    `temperature=None` (or 0): plain normalisation `max(s, 0) / Σ max(s, 0)` (uniform if all
+    are <= 0); otherwise `softmax(s / temperature)`.
+    """
+    scores = scores.to(torch.float64)
+    if temperature:
+        if temperature < 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        return torch.softmax(scores / temperature, dim=-1)
+    pos = scores.clamp_min(0.0)
+    total = pos.sum(dim=-1, keepdim=True)
+    uniform = torch.full_like(pos, 1.0 / pos.shape[-1])
+    return torch.where(total > 0, pos / total.clamp_min(torch.finfo(pos.dtype).tiny), uniform)
+
+
+def _monotonic_choice(similarity: Tensor, k: int) -> Tensor:
+    """`[L_s, k]` sorted teacher layers maximising the total similarity, monotone in depth.
+
+    Constraint: with each row's chosen layers sorted, `chosen[l + 1][i] >= chosen[l][i]` for every
+    rank `i` (for k = 1: a non-decreasing path). Solved exactly by dynamic programming over the
+    `L_t**k` grid of index tuples: the best predecessor of a tuple `b` is the max over the box
+    `a <= b`, i.e. a cumulative max along each of the `k` grid axes.
+    """
+    S = similarity.to(torch.float64)
+    L_s, L_t = S.shape
+    if L_t**k > _MAX_MONOTONIC_STATES:
+        raise ValueError(
+            f"monotonic top-{k} over {L_t} teacher layers needs {L_t**k} states; use a smaller k"
+        )
+    grid = torch.zeros((L_s,) + (L_t,) * k, dtype=torch.float64)  # [L_s, L_t, ..., L_t]
+    for axis in range(k):  # score of tuple (i_0..i_{k-1}) = Σ S[l, i_a]
+        shape = [L_s] + [1] * k
+        shape[axis + 1] = L_t
+        grid = grid + S.view(shape)
+    idx = torch.arange(L_t)
+    valid = torch.ones((L_t,) * k, dtype=torch.bool)
+    for a in range(k - 1):  # strictly increasing tuples only
+        lo = idx.view([L_t if i == a else 1 for i in range(k)])
+        hi = idx.view([L_t if i == a + 1 else 1 for i in range(k)])
+        valid = valid & (lo < hi)
+    grid = grid.masked_fill(~valid, float("-inf"))
+
+    best = torch.empty_like(grid)  # [L_s, L_t^k] best total ending in each tuple at row l
+    best[0] = grid[0]
+    for row in range(1, L_s):
+        prev = best[row - 1]
+        for axis in range(k):
+            prev = prev.cummax(dim=axis).values  # max over the dominated box a <= b
+        best[row] = grid[row] + prev
+
+    choice = torch.empty(L_s, k, dtype=torch.long)
+    flat = int(best[-1].flatten().argmax())
+    choice[-1] = torch.stack(torch.unravel_index(torch.tensor(flat), (L_t,) * k))
+    for row in range(L_s - 2, -1, -1):  # backtrack inside the box the next row allows
+        box = best[row][tuple(slice(0, int(b) + 1) for b in choice[row + 1])]
+        pos = int(box.flatten().argmax())
+        choice[row] = torch.stack(torch.unravel_index(torch.tensor(pos), box.shape))
+    return choice
+
+
+def topk_layer_map(
+    similarity: Tensor,
+    k: int = 2,
+    *,
+    temperature: float | None = None,
+    monotonic: bool = False,
+) -> Tensor:
+    """The mapping matrix `M [L_s, L_t]` from a similarity matrix `S [L_s, L_t]`.
+
+    Each student layer keeps its `k` most similar teacher layers with weights
+    `β = normalize_weights(S[l, chosen], temperature)`; the other entries are 0, rows sum to 1.
+    With `monotonic=True` the choice maximises the total similarity subject to depth order:
+    a deeper student layer never takes a shallower teacher layer than the one above it (rank by
+    rank in sorted order); when plain top-k is already monotone it is returned unchanged.
+
+    Args:
+        similarity: `[L_s, L_t]` CKA similarities.
+        k: teacher layers per student layer, `1 <= k <= L_t`.
+        temperature: softmax temperature for `β`; None = plain normalisation.
+        monotonic: enforce the depth-order constraint.
+
+    Returns:
+        `[L_s, L_t]` float32 mapping matrix.
+
+    Example:
+        >>> topk_layer_map(torch.eye(3), k=1)  # identity map
+    """
+    if similarity.dim() != 2:
+        raise ValueError(f"similarity must be [L_s, L_t], got {tuple(similarity.shape)}")
+    L_s, L_t = similarity.shape
+    if not 1 <= k <= L_t:
+        raise ValueError(f"top-k needs 1 <= k <= L_t = {L_t}, got k={k}")
+    S = similarity.detach().cpu().to(torch.float64)
+    S = torch.nan_to_num(S, nan=-1.0)
+    if monotonic:
+        chosen = _monotonic_choice(S, k)  # [L_s, k]
+    else:
+        chosen = S.topk(k, dim=1).indices  # [L_s, k]
+    beta = normalize_weights(S.gather(1, chosen), temperature)  # [L_s, k]
+    M = torch.zeros(L_s, L_t, dtype=torch.float64)
+    M.scatter_(1, chosen, beta)
+    return M.float()
+
+
+def layer_pairs(matrix: Tensor) -> list[tuple[int, int]]:
+    """`(student, teacher)` index pairs with a non-zero weight, row by row."""
+    return [(int(s), int(t)) for s, t in matrix.nonzero().tolist()]

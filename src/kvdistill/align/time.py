@@ -1,0 +1,197 @@
+"""Time (T) alignment: the teacher's sequence resampled onto the student's token positions.
+
+Teacher and student tokenise the same text differently (other tokenizer, other rationale), so
+their caches have different lengths. `time_index` decides, for every student token, which two
+teacher tokens it reads and with what interpolation weight; `resample` applies that to any tensor
+with a batch and a time axis (KV `[L, B, H, T, D]`, hidden states `[L+1, B, T, d]`).
+
+Modes:
+    segment (default): per sample and per segment (prompt / reasoning / answer), the i-th of the
+        student's `n_s` tokens of that segment maps to `u = i / (n_s - 1) * (n_t - 1)` among the
+        teacher's `n_t` tokens of the same segment, and reads
+        `(1 - lam) * x[floor(u)] + lam * x[floor(u) + 1]` with `lam = u - floor(u)`.
+        A segment with one student token reads the centre of the teacher's segment,
+        `u = (n_t - 1) / 2`. A segment empty on the teacher side makes its student tokens invalid.
+        Tokens are located from the masks and segment ids, never assumed contiguous or
+        left-aligned, so left padding, right padding and per-sample lengths all work.
+        If neither side has segment ids this is the same as `global`.
+    global: the same proportional map over all valid tokens, ignoring segments.
+    index: position t reads position t (no interpolation); both lengths must be equal.
+
+Everything is batched: a few `cumsum` / `scatter` / `gather` ops over `[B, T]`, no loop over
+samples, segments or layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+TimeMode = Literal["segment", "global", "index"]
+TIME_MODES = ("segment", "global", "index")
+
+
+@dataclass
+class TimeIndex:
+    """Where each student (target) token reads the teacher (source) sequence.
+
+    Attributes:
+        lo: `[B, T_s]` source position of the left neighbour.
+        hi: `[B, T_s]` source position of the right neighbour (== lo at segment ends).
+        lam: `[B, T_s]` float interpolation weight of `hi` in [0, 1).
+        valid: `[B, T_s]` bool: the target token is real and has a source to read from.
+        exact: True when `lam` is zero everywhere (index mode), so `resample` skips the lerp.
+    """
+
+    lo: Tensor
+    hi: Tensor
+    lam: Tensor
+    valid: Tensor
+    exact: bool = False
+
+
+def _segments_or_global(mask: Tensor, segments: Tensor | None, use_segments: bool) -> tuple[Tensor, Tensor]:
+    """Validity `[B, T]` bool and segment ids `[B, T]` long (all 0 when segments are ignored)."""
+    valid = mask.bool()
+    if not use_segments or segments is None:
+        return valid, torch.zeros_like(mask, dtype=torch.long)
+    seg = segments.long()
+    return valid & (seg >= 0), seg
+
+
+def _ranks(valid: Tensor, seg: Tensor, num_segments: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Rank of each valid token inside its segment, and the token count of every segment.
+
+    Returns:
+        seg_c: `[B, T]` segment id clamped into [0, S) (safe for gathers; invalid tokens -> 0).
+        rank: `[B, T]` 0-based rank of the token among its sample's tokens of that segment.
+        count: `[B, S]` number of valid tokens per segment.
+    """
+    S = num_segments
+    seg_or_dump = torch.where(valid, seg, torch.full_like(seg, S))  # invalid tokens -> extra class S
+    onehot = F.one_hot(seg_or_dump, S + 1)[..., :S]  # [B, T, S]
+    count = onehot.sum(1)  # [B, S]
+    seg_c = seg_or_dump.clamp(max=S - 1)
+    rank = (onehot.cumsum(1) - 1).gather(2, seg_c.unsqueeze(-1)).squeeze(-1)  # [B, T]
+    return seg_c, rank, count
+
+
+def time_index(
+    src_mask: Tensor,
+    src_segments: Tensor | None,
+    tgt_mask: Tensor,
+    tgt_segments: Tensor | None,
+    mode: TimeMode = "segment",
+) -> TimeIndex:
+    """Map every target (student) token to source (teacher) positions.
+
+    Args:
+        src_mask: `[B, T_t]` teacher attention mask (1 real, 0 pad).
+        src_segments: `[B, T_t]` teacher segment ids (-1 pad) or None.
+        tgt_mask: `[B, T_s]` student attention mask.
+        tgt_segments: `[B, T_s]` student segment ids or None.
+        mode: "segment" | "global" | "index" (see the module docstring).
+
+    Returns:
+        `TimeIndex` with `[B, T_s]` fields.
+
+    Example:
+        >>> idx = time_index(t_mask, t_seg, s_mask, s_seg)
+        >>> teacher_at_student_t = resample(teacher_keys, idx, time_dim=3)  # [L, B, H, T_s, D]
+    """
+    if mode not in TIME_MODES:
+        raise ValueError(f"unknown time mode {mode!r}; expected one of {TIME_MODES}")
+    if src_mask.dim() != 2 or tgt_mask.dim() != 2:
+        raise ValueError(
+            f"masks must be [B, T]; got teacher {tuple(src_mask.shape)}, student {tuple(tgt_mask.shape)}"
+        )
+    (B, T_t), (B_s, T_s) = src_mask.shape, tgt_mask.shape
+    if src_mask.shape[0] != tgt_mask.shape[0]:
+        raise ValueError(f"teacher batch size {B} != student batch size {B_s}")
+    device = tgt_mask.device
+    src_mask = src_mask.to(device)
+
+    if mode == "index":
+        if T_s != T_t:
+            raise ValueError(
+                f"time mode 'index' needs equal lengths, got teacher T={T_t} and student T={T_s}; "
+                "use time mode 'segment' or 'global' for different tokenisations"
+            )
+        pos = torch.arange(T_s, device=device).expand(B, T_s)
+        valid = tgt_mask.bool() & src_mask.bool()
+        return TimeIndex(pos, pos, torch.zeros(B, T_s, device=device), valid, exact=True)
+
+    use_segments = mode == "segment"
+    if use_segments and (src_segments is None) != (tgt_segments is None):
+        side = "teacher" if src_segments is None else "student"
+        raise ValueError(f"time mode 'segment' needs segment ids on both sides; the {side} cache has none")
+    src_valid, src_seg = _segments_or_global(src_mask, src_segments, use_segments)
+    tgt_valid, tgt_seg = _segments_or_global(tgt_mask, tgt_segments, use_segments)
+    src_seg = src_seg.to(device)
+    S = int(torch.maximum(src_seg.max(), tgt_seg.max()).clamp(min=0).item()) + 1  # segment classes
+
+    src_seg_c, src_rank, src_count = _ranks(src_valid, src_seg, S)  # [B, T_t], [B, T_t], [B, S]
+    tgt_seg_c, tgt_rank, tgt_count = _ranks(tgt_valid, tgt_seg, S)  # [B, T_s], [B, T_s], [B, S]
+
+    # table[b, s, k] = teacher position of the k-th token of segment s; invalid tokens write to a dump slot
+    dump = B * S * T_t
+    b_off = torch.arange(B, device=device).unsqueeze(1) * S  # [B, 1]
+    slot = torch.where(src_valid, (b_off + src_seg_c) * T_t + src_rank, torch.full_like(src_rank, dump))
+    table = torch.zeros(dump + 1, dtype=torch.long, device=device)
+    positions = torch.arange(T_t, device=device).expand(B, T_t)
+    table.scatter_(0, slot.reshape(-1), positions.reshape(-1))
+    table = table[:dump].view(B, S * T_t)  # [B, S*T_t]
+
+    n_t = src_count.gather(1, tgt_seg_c)  # [B, T_s] teacher tokens in this student token's segment
+    n_s = tgt_count.gather(1, tgt_seg_c)  # [B, T_s]
+    last = (n_t - 1).clamp(min=0)
+    # integer numerator, one division: exact whenever u is an integer
+    u = torch.where(
+        n_s > 1,
+        (tgt_rank * last).float() / (n_s - 1).clamp(min=1).float(),
+        last.float() / 2,  # a one-token segment reads the centre of the teacher's segment
+    )
+    lo_r = u.floor().long().clamp(min=0)
+    lo_r = torch.minimum(lo_r, last)
+    hi_r = torch.minimum(lo_r + 1, last)
+    lam = (u - lo_r.float()).clamp(0, 1)
+
+    valid = tgt_valid & (n_t > 0)
+    base = tgt_seg_c * T_t
+    lo = torch.where(valid, table.gather(1, base + lo_r), 0)
+    hi = torch.where(valid, table.gather(1, base + hi_r), 0)
+    lam = torch.where(valid & (hi != lo), lam, 0.0)
+    return TimeIndex(lo, hi, lam, valid)
+
+
+def resample(x: Tensor, index: TimeIndex, time_dim: int, batch_dim: int = 1) -> Tensor:
+    """Read `x` at the student positions of `index`, with linear interpolation.
+
+    Args:
+        x: a tensor with a batch axis and a source time axis, e.g. `[L, B, H, T_t, D]`
+            (`time_dim=3`) or hidden states `[L+1, B, T_t, d]` (`time_dim=2`).
+        index: from `time_index`, fields `[B, T_s]`.
+        time_dim, batch_dim: axes of `x` holding T and B.
+
+    Returns:
+        `x` with its time axis replaced by the student's `T_s`. Positions where `index.valid` is
+        False hold source position 0: mask them.
+    """
+    time_dim, batch_dim = time_dim % x.dim(), batch_dim % x.dim()
+    B, T_s = index.lo.shape
+    if x.shape[batch_dim] != B:
+        raise ValueError(f"resample: x has batch {x.shape[batch_dim]} on axis {batch_dim}, index has {B}")
+    xm = x.movedim((batch_dim, time_dim), (0, 1))  # [B, T_t, *rest]
+    b = torch.arange(B, device=x.device).unsqueeze(1)  # [B, 1]
+    lo = index.lo.to(x.device)
+    out = xm[b, lo]  # [B, T_s, *rest]
+    if not index.exact:
+        w = index.lam.to(device=x.device, dtype=x.dtype).view(B, T_s, *([1] * (xm.dim() - 2)))
+        x_hi = xm[b, index.hi.to(x.device)]  # [B, T_s, *rest]
+        # in place when no graph is recorded: one buffer less (teacher KV is the big tensor here)
+        out = out.lerp_(x_hi, w) if not torch.is_grad_enabled() or not x.requires_grad else out.lerp(x_hi, w)
+    return out.movedim((0, 1), (batch_dim, time_dim))

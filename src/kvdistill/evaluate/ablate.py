@@ -1,0 +1,723 @@
+"""`kvdistill ablate`: train + evaluate every variant x seed, then compare with paired tests.
+
+One YAML file says what to run:
+
+```yaml
+base_config: configs/distill.yaml   # a `kvdistill train` config (looked up next to this file too)
+out_dir: runs/ablation
+seeds: [0, 1, 2, 3, 4]
+variants: [core, {name: kv_w1, base: kv, overrides: {kv_weight: 1.0}}]
+overrides: {max_steps: 600}         # applied to every run, before the variant's own
+baseline: baseline                  # the reference of every comparison
+eval: {split: test, limit: 1000, batch_size: 16, max_new_tokens: 256}
+```
+
+Runs go to `out_dir/runs/<variant>/seed_<s>/` (the trainer's output_dir; its evaluation in
+`eval/`). A run whose `eval/summary.json` exists is skipped, one whose `train_summary.json`
+exists is only evaluated, so an interrupted ablation resumes where it stopped.
+
+The report compares each variant with the baseline twice: across seeds (paired t-test on
+the per-seed accuracies, paired by seed) and across items (per-item correctness pooled over
+the common seeds, paired by (seed, item): sign-flip permutation p-value and a bootstrap CI of
+the accuracy difference). Seeds carry the training variance, items the test-set variance;
+with few seeds the item-level test alone overstates certainty, so both are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import re
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvdistill.evaluate.stats import mean_std, paired_bootstrap, paired_permutation_test, paired_ttest
+
+# ----------------------------------------------------------------------------- variants
+
+# The KV defaults every built-in KV variant starts from: a small weight and a direction-type
+# loss (the pilot in SPEC §7: kv_weight 1.0 and MSE hurt), the plainest alignment otherwise.
+_KV = {
+    "kv_weight": 0.1,
+    "kv_loss": "cosine",
+    "time_mode": "global",
+    "layer_map": "proportional",
+    "head_mode": "flat",
+    "projector": "linear",
+}
+_CKA = {**_KV, "layer_map": "cka"}
+_SEGMENT = {**_CKA, "time_mode": "segment"}
+_FULL = {**_SEGMENT, "kv_loss": "mercator"}
+
+# name -> (label in the report, overrides on the train config). The core rows are cumulative
+# (+CKA keeps +KV's settings, +Segment keeps +CKA's); the factor rows change one setting of Full.
+BUILTIN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "baseline": ("Baseline (SFT)", {"kv_weight": 0.0}),
+    "kv": ("+KV", dict(_KV)),
+    "cka": ("+CKA", dict(_CKA)),
+    "segment": ("+Segment", dict(_SEGMENT)),
+    "full": ("Full", dict(_FULL)),
+    "untrained_teacher": ("Full, untrained teacher", {**_FULL, "untrained_teacher_control": True}),
+    # head alignment
+    "flat": ("Full, flat heads", {**_FULL, "head_mode": "flat"}),
+    "structured": ("Full, structured heads", {**_FULL, "head_mode": "structured"}),
+    # dim projector
+    "linear": ("Full, linear projector", {**_FULL, "projector": "linear"}),
+    "elastic": ("Full, elastic projector", {**_FULL, "projector": "elastic"}),
+    # time alignment alone
+    "time_index": ("Full, index time", {**_FULL, "time_mode": "index"}),
+    "time_global": ("Full, global time", {**_FULL, "time_mode": "global"}),
+    # KV loss kinds
+    "loss_mse": ("Full, MSE loss", {**_FULL, "kv_loss": "mse"}),
+    "loss_smooth_l1": ("Full, smooth-L1 loss", {**_FULL, "kv_loss": "smooth_l1"}),
+    "loss_cosine": ("Full, cosine loss", {**_FULL, "kv_loss": "cosine"}),
+    "loss_mercator": ("Full, Mercator loss", {**_FULL, "kv_loss": "mercator"}),
+    "loss_hybrid": ("Full, hybrid loss", {**_FULL, "kv_loss": "hybrid"}),
+    "loss_structural": (
+        "Full, structural loss",
+        {**_FULL, "kv_loss": "structural", "head_mode": "structured"},
+    ),
+}
+# names that expand to several variants in `variants:`
+VARIANT_SETS: dict[str, list[str]] = {
+    "core": ["baseline", "kv", "cka", "segment", "full", "untrained_teacher"],
+    "heads": ["baseline", "flat", "structured"],
+    "projectors": ["baseline", "linear", "elastic"],
+    "time": ["baseline", "time_index", "time_global", "full"],
+    "losses": [
+        "baseline",
+        "loss_mse",
+        "loss_smooth_l1",
+        "loss_cosine",
+        "loss_mercator",
+        "loss_hybrid",
+        "loss_structural",
+    ],
+}
+_NAME_OK = re.compile(r"^[A-Za-z0-9_.+-]+$")
+
+
+class AblationError(ValueError):
+    """A bad ablation config; the message names the fix."""
+
+
+@dataclass
+class Variant:
+    """One row of the ablation: a name (its run dir), a report label and train-config overrides."""
+
+    name: str
+    label: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_variants(spec: Any) -> list[Variant]:
+    """Turn the YAML `variants:` entry into `Variant`s.
+
+    Accepted entries: a built-in name (`"kv"`), a set name (`"core"`), or a mapping
+    `{name, overrides, base?, label?}` where `base` names a built-in to start from. A mapping
+    `{name: overrides}` for the whole entry also works. Duplicates keep the first.
+    """
+    if spec is None:
+        spec = ["core"]
+    if isinstance(spec, str):
+        spec = [spec]
+    if isinstance(spec, Mapping):
+        spec = [{"name": k, "overrides": v or {}} for k, v in spec.items()]
+    out: dict[str, Variant] = {}
+    for entry in spec:
+        if isinstance(entry, str):
+            if entry in VARIANT_SETS:
+                for name in VARIANT_SETS[entry]:
+                    out.setdefault(name, _builtin(name))
+                continue
+            out.setdefault(entry, _builtin(entry))
+            continue
+        if not isinstance(entry, Mapping) or "name" not in entry:
+            raise AblationError(f"a variant must be a name or a mapping with `name:`, got {entry!r}")
+        unknown = set(entry) - {"name", "overrides", "base", "label"}
+        if unknown:
+            raise AblationError(
+                f"variant {entry['name']!r}: unknown keys {sorted(unknown)} "
+                "(use name, overrides, base, label)"
+            )
+        name = str(entry["name"])
+        overrides: dict[str, Any] = {}
+        label = name
+        if entry.get("base") is not None:
+            base = _builtin(str(entry["base"]))
+            overrides, label = dict(base.overrides), f"{base.label} + {name}"
+        elif name in BUILTIN_VARIANTS and not entry.get("overrides"):
+            base = _builtin(name)
+            overrides, label = dict(base.overrides), base.label
+        overrides.update(entry.get("overrides") or {})
+        out.setdefault(name, Variant(name, str(entry.get("label") or label), overrides))
+    for name in out:
+        if not _NAME_OK.match(name):
+            raise AblationError(
+                f"variant name {name!r} is used as a directory name; use letters, digits, _ . + -"
+            )
+    if not out:
+        raise AblationError("no variants given")
+    return list(out.values())
+
+
+def _builtin(name: str) -> Variant:
+    if name not in BUILTIN_VARIANTS:
+        known = sorted([*BUILTIN_VARIANTS, *VARIANT_SETS])
+        raise AblationError(
+            f"unknown variant {name!r}; built-ins and sets: {known}, or give "
+            "{name: ..., overrides: {...}}"
+        )
+    label, overrides = BUILTIN_VARIANTS[name]
+    return Variant(name, label, copy.deepcopy(overrides))
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class AblationConfig:
+    """Everything `kvdistill ablate` needs; read from one YAML file (`load_ablation_config`)."""
+
+    base_config: str
+    out_dir: str = "runs/ablation"
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    variants: list[Variant] = field(default_factory=lambda: resolve_variants(["core"]))
+    overrides: dict[str, Any] = field(default_factory=dict)
+    baseline: str | None = None
+    eval: dict[str, Any] = field(default_factory=dict)
+    n_resamples: int = 10_000
+    keep_going: bool = False
+
+    def __post_init__(self) -> None:
+        self.seeds = [int(s) for s in self.seeds]
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise AblationError(f"seeds must be a non-empty list of distinct ints, got {self.seeds}")
+        names = [v.name for v in self.variants]
+        if self.baseline is None:
+            self.baseline = "baseline" if "baseline" in names else names[0]
+        if self.baseline not in names:
+            raise AblationError(f"baseline {self.baseline!r} is not among the variants {names}")
+        unknown = set(self.eval) - _EVAL_KEYS
+        if unknown:
+            raise AblationError(f"eval: unknown keys {sorted(unknown)}; allowed {sorted(_EVAL_KEYS)}")
+
+    def variant(self, name: str) -> Variant:
+        return next(v for v in self.variants if v.name == name)
+
+
+_EVAL_KEYS = {
+    "data",
+    "split",
+    "field_map",
+    "limit",
+    "batch_size",
+    "max_new_tokens",
+    "template",
+    "chat_template",
+    "perplexity",
+    "max_length",
+    "dtype",
+    "device",
+    "stop_strings",
+}
+_CONFIG_KEYS = {
+    "base_config",
+    "out_dir",
+    "seeds",
+    "variants",
+    "overrides",
+    "baseline",
+    "eval",
+    "n_resamples",
+    "keep_going",
+}
+
+
+def load_ablation_config(path: str | Path, **overrides: Any) -> AblationConfig:
+    """Read an ablation YAML; `base_config` is found relative to the CWD or to the YAML's folder."""
+    path = Path(path)
+    if not path.exists():
+        raise AblationError(f"ablation config not found: {path}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = set(raw) - _CONFIG_KEYS
+    if unknown:
+        raise AblationError(f"{path}: unknown keys {sorted(unknown)}; allowed {sorted(_CONFIG_KEYS)}")
+    if "base_config" not in raw:
+        raise AblationError(f"{path}: `base_config:` (a kvdistill train YAML) is required")
+    base = Path(raw["base_config"])
+    if not base.exists() and (path.parent / base).exists():
+        base = path.parent / base
+    if not base.exists():
+        raise AblationError(f"base_config {raw['base_config']} not found (tried the CWD and {path.parent})")
+    raw["base_config"] = str(base)
+    raw["variants"] = resolve_variants(raw.get("variants"))
+    return AblationConfig(**raw)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def run_dir(cfg: AblationConfig, variant: str, seed: int) -> Path:
+    return Path(cfg.out_dir) / "runs" / variant / f"seed_{seed}"
+
+
+def train_config_for(cfg: AblationConfig, variant: Variant, seed: int) -> dict[str, Any]:
+    """The full train YAML of one run: base config < common overrides < variant < (output_dir, seed)."""
+    merged = yaml.safe_load(Path(cfg.base_config).read_text()) or {}
+    merged.update(copy.deepcopy(cfg.overrides))
+    merged.update(copy.deepcopy(variant.overrides))
+    merged["output_dir"] = str(run_dir(cfg, variant.name, seed))
+    merged["seed"] = int(seed)
+    return merged
+
+
+def eval_settings_for(cfg: AblationConfig, train_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Eval settings of one run; data, template and chat mode default to what the run trained with."""
+    settings: dict[str, Any] = {
+        "data": train_cfg.get("data", "synthetic"),
+        "split": "test",
+        "field_map": train_cfg.get("field_map"),
+        "template": train_cfg.get("prompt_template") or None,
+        "chat_template": "on" if train_cfg.get("use_chat_template") else "off",
+        "batch_size": 8,
+        "max_new_tokens": 256,
+    }
+    settings.update(cfg.eval)
+    return {k: v for k, v in settings.items() if v is not None}
+
+
+def _default_train(argv: list[str]) -> int:
+    from kvdistill.train.cli import main as train_main
+
+    return int(train_main(argv) or 0)
+
+
+def _default_eval(model_dir: str, out_dir: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    from kvdistill.evaluate.eval import run_eval
+
+    s = dict(settings)
+    data = s.pop("data")
+    return run_eval(model_dir, data=data, out=out_dir, progress=False, **s)
+
+
+TrainFn = Callable[[list[str]], int]
+EvalFn = Callable[[str, str, Mapping[str, Any]], Any]
+
+
+def run_ablation(
+    cfg: AblationConfig,
+    *,
+    train_fn: TrainFn | None = None,
+    eval_fn: EvalFn | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run every variant x seed that is not finished yet, then write the report.
+
+    Args:
+        cfg: the ablation.
+        train_fn: `argv -> exit code`; default `kvdistill.train.cli.main` (in-process).
+        eval_fn: `(model_dir, out_dir, settings) -> Any`, must write `out_dir/summary.json` and
+            `items.jsonl`; default `kvdistill.evaluate.eval.run_eval`.
+
+    Returns:
+        the report dict (also written to `out_dir/ablation.json`).
+    """
+    train_fn = train_fn or _default_train
+    eval_fn = eval_fn or _default_eval
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    failures: list[str] = []
+    total = len(cfg.variants) * len(cfg.seeds)
+    k = 0
+    # seed-major order: a partial ablation already holds complete seeds for every variant
+    for seed in cfg.seeds:
+        for variant in cfg.variants:
+            k += 1
+            rdir = run_dir(cfg, variant.name, seed)
+            tag = f"[{k}/{total}] {variant.name} seed {seed}"
+            if (rdir / "eval" / "summary.json").exists():
+                log(f"{tag}: finished, skipped")
+                continue
+            try:
+                train_cfg = train_config_for(cfg, variant, seed)
+                if not (rdir / "train_summary.json").exists():
+                    rdir.mkdir(parents=True, exist_ok=True)
+                    cfg_path = rdir / "train_config.yaml"
+                    cfg_path.write_text(yaml.safe_dump(train_cfg, sort_keys=False, allow_unicode=True))
+                    log(f"{tag}: training -> {rdir}")
+                    rc = train_fn(["--config", str(cfg_path)])
+                    if rc:
+                        raise RuntimeError(f"training exited with code {rc}")
+                    if not (rdir / "train_summary.json").exists():
+                        raise RuntimeError(f"training finished but wrote no {rdir / 'train_summary.json'}")
+                log(f"{tag}: evaluating")
+                eval_fn(str(rdir), str(rdir / "eval"), eval_settings_for(cfg, train_cfg))
+                if not (rdir / "eval" / "summary.json").exists():
+                    raise RuntimeError(f"evaluation wrote no {rdir / 'eval' / 'summary.json'}")
+            except Exception as err:
+                if not cfg.keep_going:
+                    raise
+                failures.append(f"{variant.name} seed {seed}: {type(err).__name__}: {err}")
+                log(f"{tag}: FAILED\n{traceback.format_exc()}")
+    report = summarize(cfg)
+    report["failures"] = failures
+    write_report(report, cfg)
+    return report
+
+
+# ----------------------------------------------------------------------------- reading runs
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Rows of a trainer's `metrics.jsonl` (missing file: no rows)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a run killed mid-write leaves a broken last line
+                continue
+    return rows
+
+
+def read_run(rdir: Path) -> dict[str, Any] | None:
+    """One finished run: eval summary, per-item correctness by index, train summary, curves."""
+    summary = _read_json(rdir / "eval" / "summary.json")
+    if summary is None:
+        return None
+    items: dict[int, bool] = {}
+    items_path = rdir / "eval" / "items.jsonl"
+    if items_path.exists():
+        for line in items_path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                items[int(row["index"])] = bool(row["correct"])
+    train = _read_json(rdir / "train_summary.json") or {}
+    final = train.get("final") or {}
+    return {
+        "accuracy": summary.get("accuracy"),
+        "ci_low": summary.get("ci_low"),
+        "ci_high": summary.get("ci_high"),
+        "n": summary.get("n"),
+        "perplexity": summary.get("perplexity"),
+        "ce": final.get("ce"),
+        "kv_loss": final.get("kv_loss"),
+        "cos_sim": final.get("cos_sim"),
+        "global_step": train.get("global_step"),
+        "items": items,
+        "metrics": read_metrics(rdir / "metrics.jsonl"),
+    }
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def compare(
+    runs: Mapping[int, Mapping[str, Any]],
+    base_runs: Mapping[int, Mapping[str, Any]],
+    n_resamples: int = 10_000,
+) -> dict[str, Any]:
+    """Variant vs baseline on the seeds both have: paired t-test over seeds, permutation and
+    bootstrap over items pooled across those seeds (paired by (seed, item index))."""
+    seeds = sorted(set(runs) & set(base_runs))
+    acc = [float(runs[s]["accuracy"]) for s in seeds]
+    base = [float(base_runs[s]["accuracy"]) for s in seeds]
+    ttest = paired_ttest(acc, base)
+    a_items: list[float] = []
+    b_items: list[float] = []
+    for s in seeds:
+        common = sorted(set(runs[s]["items"]) & set(base_runs[s]["items"]))
+        a_items += [float(runs[s]["items"][i]) for i in common]
+        b_items += [float(base_runs[s]["items"][i]) for i in common]
+    boot = paired_bootstrap(a_items, b_items, n_resamples=n_resamples, seed=0)
+    perm = paired_permutation_test(a_items, b_items, n_resamples=n_resamples, seed=0) if a_items else math.nan
+    return {
+        "seeds": seeds,
+        "delta_accuracy": ttest.mean_diff,
+        "ttest": ttest.to_dict(),
+        "items": len(a_items),
+        "item_delta": boot.mean_diff,
+        "permutation_p": perm,
+        "bootstrap": boot.to_dict(),
+    }
+
+
+def summarize(cfg: AblationConfig) -> dict[str, Any]:
+    """Read every finished run and compute the per-variant numbers and the comparisons."""
+    runs = {
+        v.name: {s: r for s in cfg.seeds if (r := read_run(run_dir(cfg, v.name, s))) is not None}
+        for v in cfg.variants
+    }
+    base = runs[cfg.baseline]
+    variants: dict[str, Any] = {}
+    for v in cfg.variants:
+        per_seed = runs[v.name]
+        row: dict[str, Any] = {"label": v.label, "overrides": v.overrides, "seeds": sorted(per_seed)}
+        for key in ("accuracy", "cos_sim", "perplexity", "ce", "kv_loss"):
+            mean, std, n = mean_std([r[key] for r in per_seed.values()])
+            row[key] = {"mean": mean, "std": std, "n": n}
+        row["runs"] = {
+            str(s): {
+                k: r[k]
+                for k in (
+                    "accuracy",
+                    "ci_low",
+                    "ci_high",
+                    "n",
+                    "perplexity",
+                    "ce",
+                    "kv_loss",
+                    "cos_sim",
+                    "global_step",
+                )
+            }
+            for s, r in sorted(per_seed.items())
+        }
+        if v.name != cfg.baseline and per_seed and base:
+            row["vs_baseline"] = compare(per_seed, base, cfg.n_resamples)
+        variants[v.name] = row
+    return {
+        "baseline": cfg.baseline,
+        "seeds": cfg.seeds,
+        "base_config": cfg.base_config,
+        "common_overrides": cfg.overrides,
+        "eval": cfg.eval,
+        "n_resamples": cfg.n_resamples,
+        "variants": variants,
+        "_curves": {name: {s: r["metrics"] for s, r in per_seed.items()} for name, per_seed in runs.items()},
+    }
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _pm(stat: Mapping[str, float], digits: int = 3) -> str:
+    if not stat or stat.get("n", 0) == 0 or stat["mean"] is None or math.isnan(stat["mean"]):
+        return "–"
+    return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
+
+
+def _p(p: float | None) -> str:
+    if p is None or (isinstance(p, float) and math.isnan(p)):
+        return "–"
+    return "< 0.0001" if p < 1e-4 else f"{p:.4f}"
+
+
+def _signed(x: float | None, digits: int = 3) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x:+.{digits}f}"
+
+
+def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None = None) -> str:
+    """`ablation.md`: the variant table, the per-run table, how the tests were done, the plots."""
+    base = report["baseline"]
+    base_label = report["variants"][base]["label"]
+    lines = [
+        "# Ablation",
+        "",
+        f"Base config `{report['base_config']}`; seeds {report['seeds']}; baseline **{base_label}**.",
+        "",
+        f"| variant | seeds | accuracy | cos-sim | perplexity | Δ acc vs {base_label} | t-test p (seeds) "
+        "| permutation p (items) | bootstrap 95 % CI of Δ (items) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["variants"].values():
+        cmp_ = row.get("vs_baseline")
+        if cmp_ is None:
+            delta = ttest_p = perm_p = ci = "–"
+        else:
+            b = cmp_["bootstrap"]
+            delta = _signed(cmp_["delta_accuracy"])
+            ttest_p, perm_p = _p(cmp_["ttest"]["p_value"]), _p(cmp_["permutation_p"])
+            ci = "–" if math.isnan(b["ci_low"]) else f"[{b['ci_low']:+.3f}, {b['ci_high']:+.3f}]"
+        lines.append(
+            f"| {row['label']} | {len(row['seeds'])} | {_pm(row['accuracy'])} | {_pm(row['cos_sim'])} "
+            f"| {_pm(row['perplexity'], 2)} | {delta} | {ttest_p} | {perm_p} | {ci} |"
+        )
+    n_seeds = min((len(r["seeds"]) for r in report["variants"].values()), default=0)
+    lines += [
+        "",
+        "Accuracy and cos-sim are mean ± sample std over seeds (cos-sim: final value of the training "
+        "log; – for runs without a KV loss). The t-test pairs the per-seed accuracies by seed; the "
+        "permutation (sign-flip) test and the bootstrap pool per-item correctness over the common "
+        f"seeds, paired by (seed, item), with {report['n_resamples']} resamples. The seed-level test "
+        "carries the training variance; the item-level tests only the test-set variance, so with few "
+        "seeds they overstate certainty.",
+    ]
+    if n_seeds < 5:
+        lines += [
+            "",
+            f"**Note:** only {n_seeds} seed(s) per variant; student accuracy swings widely "
+            "between seeds (SPEC §7), use ≥ 5 seeds before drawing conclusions.",
+        ]
+    if report.get("failures"):
+        lines += ["", "**Failed runs:**", *[f"- {f}" for f in report["failures"]]]
+    lines += [
+        "",
+        "## Runs",
+        "",
+        "| variant | seed | accuracy | 95 % CI | n | cos-sim | CE | perplexity | steps |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["variants"].values():
+        for seed, r in row["runs"].items():
+            lines.append(
+                f"| {row['label']} | {seed} | {_num(r['accuracy'])} | [{_num(r['ci_low'])}, {_num(r['ci_high'])}] "
+                f"| {r['n']} | {_num(r['cos_sim'])} | {_num(r['ce'])} | {_num(r['perplexity'], 2)} "
+                f"| {r['global_step'] if r['global_step'] is not None else '–'} |"
+            )
+    lines += ["", "## Variants", ""]
+    for name, row in report["variants"].items():
+        lines.append(f"- **{row['label']}** (`{name}`): `{json.dumps(row['overrides'], sort_keys=True)}`")
+    if plots:
+        lines += ["", "## Plots", ""]
+        for title, fname in plots.items():
+            lines.append(f"![{title}]({fname})")
+    return "\n".join(lines) + "\n"
+
+
+def _metric(row: Mapping[str, Any], key: str) -> float | None:
+    """`row[key]`; for cos_sim, the trainer logs one value per teacher (`cos_sim/<name>`): their mean."""
+    if row.get(key) is not None:
+        return float(row[key])
+    if key == "cos_sim":
+        per_teacher = [float(v) for k, v in row.items() if k.startswith("cos_sim/") and v is not None]
+        return sum(per_teacher) / len(per_teacher) if per_teacher else None
+    return None
+
+
+def _num(x: Any, digits: int = 3) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _jsonable(obj: Any) -> Any:
+    """NaN/inf -> None so `ablation.json` is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]:
+    """Write `ablation.md`, `ablation.json`, `ablation_accuracy.png` and `ablation_curves.png`."""
+    from kvdistill.plots import plot_bars_with_errors, plot_run_curves
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    curves_raw = report.pop("_curves", {})
+    rows = report["variants"]
+    labels = [r["label"] for r in rows.values()]
+    plots: dict[str, str] = {}
+    acc_png = plot_bars_with_errors(
+        labels,
+        [r["accuracy"]["mean"] for r in rows.values()],
+        [r["accuracy"]["std"] for r in rows.values()],
+        out / "ablation_accuracy.png",
+        points=[[r["runs"][s]["accuracy"] for s in r["runs"]] for r in rows.values()],
+        ylabel="accuracy (mean ± std over seeds)",
+        title="Ablation: accuracy",
+    )
+    plots["accuracy"] = acc_png.name
+    panels: dict[str, dict[str, list[tuple[list[float], list[float]]]]] = {}
+    for name, per_seed in curves_raw.items():
+        for metrics in per_seed.values():
+            for key in ("loss", "ce", "kv_loss", "cos_sim"):
+                pts = [(m["step"], v) for m in metrics if (v := _metric(m, key)) is not None and "step" in m]
+                if pts:
+                    steps, vals = zip(*pts)
+                    panels.setdefault(key, {}).setdefault(rows[name]["label"], []).append(
+                        (list(steps), list(vals))
+                    )
+    paths = {"accuracy_png": acc_png}
+    if panels:
+        paths["curves_png"] = plot_run_curves(panels, out / "ablation_curves.png", title="Training curves")
+        plots["training curves"] = paths["curves_png"].name
+    paths["md"] = out / "ablation.md"
+    paths["md"].write_text(render_markdown(report, plots))
+    paths["json"] = out / "ablation.json"
+    paths["json"].write_text(json.dumps(_jsonable(report), indent=2))
+    return paths
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvdistill ablate",
+        description="Train + evaluate variants x seeds (resumable), then ablation.md/json with paired tests "
+        "and plots.",
+        epilog="Built-in variants: "
+        + ", ".join(BUILTIN_VARIANTS)
+        + "; sets: "
+        + ", ".join(f"{k}={'+'.join(v)}" for k, v in VARIANT_SETS.items()),
+    )
+    p.add_argument(
+        "--config", required=True, help="ablation YAML (base_config, variants, seeds, eval, out_dir)"
+    )
+    p.add_argument("--out-dir", default=None, help="override out_dir")
+    p.add_argument("--seeds", default=None, help="override seeds, comma separated (e.g. 0,1,2,3,4)")
+    p.add_argument("--variants", default=None, help="override variants, comma separated names or sets")
+    p.add_argument("--keep-going", action="store_true", help="log a failed run and go on with the others")
+    p.add_argument(
+        "--report-only", action="store_true", help="train nothing; rebuild the report from finished runs"
+    )
+    p.add_argument("--list-variants", action="store_true", help="print the built-in variants and exit")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    if a.list_variants:
+        for name, (label, overrides) in BUILTIN_VARIANTS.items():
+            print(f"{name:<18} {label:<28} {json.dumps(overrides, sort_keys=True)}")
+        return 0
+    extra: dict[str, Any] = {"out_dir": a.out_dir}
+    if a.seeds:
+        extra["seeds"] = [int(s) for s in a.seeds.split(",") if s.strip()]
+    if a.variants:
+        extra["variants"] = [v.strip() for v in a.variants.split(",") if v.strip()]
+    if a.keep_going:
+        extra["keep_going"] = True
+    cfg = load_ablation_config(a.config, **extra)
+    if a.report_only:
+        report = summarize(cfg)
+        report["failures"] = []
+        write_report(report, cfg)
+    else:
+        report = run_ablation(cfg)
+    print(f"wrote {Path(cfg.out_dir) / 'ablation.md'}")
+    return 1 if report.get("failures") else 0
+
+
+__all__ = [
+    "BUILTIN_VARIANTS",
+    "VARIANT_SETS",
+    "AblationConfig",
+    "AblationError",
+    "Variant",
+    "compare",
+    "load_ablation_config",
+    "main",
+    "resolve_variants",
+    "run_ablation",
+    "summarize",
+    "write_report",
+]

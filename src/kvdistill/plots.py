@@ -1,0 +1,217 @@
+"""Plots (matplotlib, Agg backend: files only, no display needed).
+
+Each function takes plain numbers / nested lists, writes one PNG and returns its path. Several
+commands append their own functions here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: CI, SLURM nodes, servers
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+# --------------------------------------------------------------------------- ab-projector
+
+
+def plot_ab_curves(
+    curves: dict[str, dict[str, tuple[list[int], list[list[float]]]]],
+    path: str | Path,
+    *,
+    title: str = "",
+    logy: bool = True,
+) -> Path:
+    """Loss curves of several projectors, mean ± std over seeds, one panel per curve kind.
+
+    Args:
+        curves: `{projector: {panel: (steps [P], per-seed values [S][P])}}`, e.g.
+            `{"linear": {"train": ([1, 2, 3], [[...], ...]), "held-out": (...)}, "elastic": {...}}`.
+        path: PNG to write.
+        title: figure title.
+        logy: log-scale loss axis (losses span decades).
+
+    Returns:
+        `path` as a `Path`.
+    """
+    panels = list(dict.fromkeys(p for per in curves.values() for p in per))
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.2 * max(1, len(panels)), 3.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for name, per in curves.items():
+            steps, runs = per.get(panel) or ([], [])
+            if not runs or not runs[0]:
+                continue
+            arr = np.asarray(runs, dtype=float)  # [S, P]
+            mean, std = arr.mean(0), arr.std(0)
+            steps = np.asarray(steps)
+            (line,) = ax.plot(steps, mean, label=f"{name} (n={arr.shape[0]})")
+            lo = np.maximum(mean - std, mean * 1e-3) if logy else mean - std  # keep the band on a log axis
+            ax.fill_between(steps, lo, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
+        ax.set_title(panel)
+        ax.set_xlabel("step")
+        ax.set_ylabel("MSE")
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- layer-map
+
+
+def plot_cka_heatmap(
+    similarity,
+    matrix,
+    path: str | Path,
+    *,
+    title: str = "",
+    student_label: str = "student layer",
+    teacher_label: str = "teacher layer",
+) -> Path:
+    """CKA similarity `S [L_s, L_t]` as a heatmap, with the chosen layer pairs of `M` marked.
+
+    Each non-zero `M[s, t]` is drawn as a circle on cell `(s, t)`, its area proportional to the
+    weight, so a top-k map shows both which teacher layers a student layer reads and how much.
+
+    Args:
+        similarity: `[L_s, L_t]` CKA values (tensor, array or nested lists).
+        matrix: `[L_s, L_t]` mapping weights (rows sum to 1; zeros are not drawn), or None.
+        path: PNG to write.
+        title: figure title.
+
+    Returns:
+        `path` as a `Path`.
+    """
+    S = np.asarray(similarity.tolist() if hasattr(similarity, "tolist") else similarity, dtype=float)
+    L_s, L_t = S.shape
+    fig, ax = plt.subplots(figsize=(min(max(5.5, 2.5 + 0.32 * L_t), 16), min(max(4.0, 2.0 + 0.3 * L_s), 14)))
+    vmin = min(0.0, float(np.nanmin(S))) if S.size else 0.0
+    im = ax.imshow(
+        S, origin="lower", aspect="auto", cmap="viridis", vmin=vmin, vmax=1.0, interpolation="nearest"
+    )
+    fig.colorbar(im, ax=ax, label="linear CKA")
+    if L_s * L_t <= 144:  # small maps: print the values
+        for (r, c), v in np.ndenumerate(S):
+            ax.text(
+                c, r, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black"
+            )
+    marked = ""
+    if matrix is not None:
+        M = np.asarray(matrix.tolist() if hasattr(matrix, "tolist") else matrix, dtype=float)
+        rows, cols = np.nonzero(M > 0)
+        ax.scatter(
+            cols, rows, s=60 + 240 * M[rows, cols], facecolors="none", edgecolors="red", linewidths=1.5
+        )
+        marked = "\n(red circles: chosen pairs, area ~ weight)"
+    step_t, step_s = max(1, L_t // 16), max(1, L_s // 16)  # readable ticks for deep models
+    ax.set_xticks(range(0, L_t, step_t))
+    ax.set_yticks(range(0, L_s, step_s))
+    ax.set_xlabel(teacher_label + marked)
+    ax.set_ylabel(student_label)
+    if title:
+        ax.set_title(title, fontsize="medium", wrap=True)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- ablate
+
+
+def plot_bars_with_errors(
+    labels: list[str],
+    means: list[float],
+    stds: list[float],
+    path: str | Path,
+    *,
+    points: list[list[float]] | None = None,
+    ylabel: str = "",
+    title: str = "",
+) -> Path:
+    """Bar chart of per-variant means with ± std error bars and, optionally, each seed as a dot.
+
+    Args:
+        labels: `[V]` bar labels.
+        means: `[V]` bar heights (NaN: no bar).
+        stds: `[V]` error-bar half widths (NaN: none).
+        path: PNG to write.
+        points: `[V][S_v]` per-seed values drawn over the bars.
+        ylabel, title: axis label and title.
+
+    Returns:
+        `path` as a `Path`.
+    """
+    x = np.arange(len(labels))
+    m = np.nan_to_num(np.asarray(means, dtype=float), nan=0.0)
+    s = np.nan_to_num(np.asarray(stds, dtype=float), nan=0.0)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(labels) + 1.5), 4.0))
+    ax.bar(x, m, yerr=s, capsize=4, color="#4c72b0", alpha=0.8)
+    for i, pts in enumerate(points or []):
+        vals = [v for v in pts if v is not None]
+        if vals:  # small horizontal jitter so equal values stay visible
+            ax.scatter(i + np.linspace(-0.15, 0.15, len(vals)), vals, color="black", s=12, zorder=3)
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, rotation=20, ha="right")
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_run_curves(
+    panels: dict[str, dict[str, list[tuple[list[float], list[float]]]]],
+    path: str | Path,
+    *,
+    title: str = "",
+) -> Path:
+    """Overlaid training curves, one panel per metric, one colour per variant, one line per run.
+
+    Args:
+        panels: `{metric: {variant label: [(steps [P], values [P]) per run]}}`.
+        path: PNG to write.
+        title: figure title.
+
+    Returns:
+        `path` as a `Path`.
+    """
+    names = list(panels)
+    labels = list(dict.fromkeys(lab for per in panels.values() for lab in per))
+    colors = {lab: plt.get_cmap("tab10")(i % 10) for i, lab in enumerate(labels)}
+    fig, axes = plt.subplots(1, max(1, len(names)), figsize=(4.8 * max(1, len(names)), 3.6), squeeze=False)
+    for ax, metric in zip(axes[0], names):
+        for lab, runs in panels[metric].items():
+            for j, (steps, values) in enumerate(runs):
+                label = lab if j == 0 else None  # one legend entry per variant
+                ax.plot(steps, values, color=colors[lab], alpha=0.75, linewidth=1.2, label=label)
+        ax.set_title(metric)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,148 @@
+"""Teachers: loaded once, frozen, run under no_grad, optionally kept on CPU between forwards."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from kvdistill.cache import KeySpace, KVCache, forward_with_kv
+from kvdistill.models import config_hash, load_model, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def same_tokenizer(a: Any, b: Any) -> bool:
+    """True when two tokenizers split text identically (same vocab, same ids on a probe text)."""
+    if a is b:
+        return True
+    probe = "Question: Tom has 12 apples.\nAnswer: 12 + 5 = 17.\n#### 17"
+    return a.get_vocab() == b.get_vocab() and a(probe)["input_ids"] == b(probe)["input_ids"]
+
+
+@dataclass
+class Teacher:
+    """A frozen teacher model with its tokenizer and provenance."""
+
+    name: str
+    path: str
+    model: nn.Module
+    tokenizer: Any
+    weight: float = 1.0
+    shares_student_tokens: bool = False  # same tokenizer and text as the student: reuse its input_ids
+
+    @property
+    def config_hash(self) -> str:
+        return config_hash(self.model)
+
+    def manifest(self) -> dict:
+        return {"name": self.name, "path": self.path, "config_hash": self.config_hash, "weight": self.weight}
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Eval mode, no gradients: a teacher never enters the optimizer or the autograd graph."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def load_teacher(spec: Any, student_tokenizer: Any, *, untrained: bool = False, seed: int = 0) -> Teacher:
+    """Load a teacher from a `TeacherConfig`-like spec (path, name, dtype, quantization, tokenizer...).
+
+    `untrained=True` replaces the weights by a random init of the same architecture: the control
+    that tells a distillation gain apart from mere regularisation.
+    """
+    model = load_model(spec.path, dtype=spec.dtype, quantization=spec.quantization)
+    if untrained:
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
+    if spec.tokenizer == "student":
+        tokenizer = student_tokenizer
+    else:
+        tokenizer = load_tokenizer(spec.tokenizer or spec.path)
+    shares = spec.rationale_field is None and same_tokenizer(tokenizer, student_tokenizer)
+    return Teacher(spec.name, str(spec.path), freeze(model), tokenizer, spec.weight, shares)
+
+
+class TeacherSet:
+    """The teachers of a run, placed on the device (or offloaded to CPU between forwards).
+
+    Under FSDP/DDP the teachers are *not* wrapped: each rank holds a full frozen copy on its
+    device (a teacher left on CPU under FSDP is a known TRL bug). Under DeepSpeed ZeRO-3 call
+    `prepare_deepspeed` so its parameters are partitioned like the student's.
+    """
+
+    def __init__(self, teachers: list[Teacher], device: torch.device | str, offload: bool = False):
+        self.teachers = {t.name: t for t in teachers}
+        self.device = torch.device(device)
+        self.offload = offload
+        for t in teachers:
+            if not _is_quantized(t.model):
+                t.model.to("cpu" if offload else self.device)
+
+    def __iter__(self):
+        return iter(self.teachers.values())
+
+    def __len__(self) -> int:
+        return len(self.teachers)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.teachers)
+
+    def prepare_deepspeed(self, accelerator: Any) -> None:
+        """Wrap each teacher in a DeepSpeed inference engine with the run's ZeRO config."""
+        import deepspeed  # only reached under DeepSpeed
+
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config = {"zero_optimization": dict(ds_config.get("zero_optimization", {})), "train_batch_size": 1,
+                  "train_micro_batch_size_per_gpu": 1}
+        if config["zero_optimization"].get("stage") != 3:
+            config["zero_optimization"]["stage"] = 0  # ZeRO-1/2 shard only optimizer state: a plain copy
+        for key in ("bf16", "fp16"):
+            if key in ds_config:
+                config[key] = ds_config[key]
+        for t in self:
+            engine, *_ = deepspeed.initialize(model=t.model, config=config)
+            t.model = engine.module
+            t.model.eval()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        name: str,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        segment_ids: Tensor | None,
+        *,
+        key_space: KeySpace = "post_rope",
+        output_hidden_states: bool = False,
+        return_logits: bool = False,
+    ) -> tuple[KVCache, Tensor | None]:
+        """One teacher's detached KV (and logits when asked) on a batch."""
+        t = self.teachers[name]
+        if self.offload and not _is_quantized(t.model):
+            t.model.to(self.device)
+        try:
+            out, kv = forward_with_kv(
+                t.model, input_ids, attention_mask, segment_ids,
+                key_space=key_space, output_hidden_states=output_hidden_states,
+            )
+        finally:
+            if self.offload and not _is_quantized(t.model):
+                t.model.to("cpu")
+        return kv.detach(), (out.logits.detach() if return_logits else None)
+
+    def manifest(self) -> list[dict]:
+        return [t.manifest() for t in self]
+
+
+def _is_quantized(model: nn.Module) -> bool:
+    return bool(getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False))

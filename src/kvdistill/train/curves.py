@@ -1,0 +1,80 @@
+"""Training curves from `metrics.jsonl`: loss, cos-sim per teacher, per-layer cos-sim over time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The training log records (those with a `loss`) of a `metrics.jsonl`."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "loss" in r]
+
+
+def final_metrics(path: str | Path) -> dict:
+    """Last logged CE, KV loss and mean cos-sim over teachers (None where not logged)."""
+    rows = read_metrics(path)
+    if not rows:
+        return {"ce": None, "kv_loss": None, "cos_sim": None}
+    last = rows[-1]
+    cos = [v for k, v in last.items() if k.startswith("cos_sim/")]
+    return {
+        "ce": last.get("ce"),
+        "kv_loss": last.get("kv_loss"),
+        "cos_sim": float(np.mean(cos)) if cos else None,
+        **{k: v for k, v in last.items() if k.startswith(("cos_sim/", "norm_ratio/"))},
+    }
+
+
+def plot_training_curves(path: str | Path, out_dir: str | Path) -> list[Path]:
+    """Write `curves_loss.png`, `curves_cos_sim.png` and `cos_sim_layers.png` (when KV was on)."""
+    rows, out_dir, written = read_metrics(path), Path(out_dir), []
+    if not rows:
+        return written
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key in ("loss", "ce", "kv_loss"):
+        if any(key in r for r in rows):
+            ax.plot(steps, [r.get(key, np.nan) for r in rows], label=key)
+    ax.set(xlabel="step", ylabel="loss", yscale="log", title="training losses")
+    ax.legend()
+    written.append(_save(fig, out_dir / "curves_loss.png"))
+
+    cos_keys = sorted({k for r in rows for k in r if k.startswith("cos_sim/")})
+    if cos_keys:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for k in cos_keys:
+            ax.plot(steps, [r.get(k, np.nan) for r in rows], label=k.split("/", 1)[1])
+        ax.set(xlabel="step", ylabel="cos-sim (keys)", title="student vs aligned teacher KV", ylim=(-0.1, 1.0))
+        ax.legend()
+        written.append(_save(fig, out_dir / "curves_cos_sim.png"))
+
+        teachers = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("cos_layer/")})
+        if teachers:
+            fig, axes = plt.subplots(1, len(teachers), figsize=(4 * len(teachers), 3), squeeze=False)
+            for ax, t in zip(axes[0], teachers):
+                layers = sorted({int(k.split("/")[2]) for r in rows for k in r if k.startswith(f"cos_layer/{t}/")})
+                grid = np.array([[r.get(f"cos_layer/{t}/{layer}", np.nan) for r in rows] for layer in layers])
+                im = ax.imshow(grid, aspect="auto", origin="lower", vmin=-0.1, vmax=1.0, cmap="viridis",
+                               extent=(steps[0], steps[-1], -0.5, len(layers) - 0.5))
+                ax.set(xlabel="step", ylabel="student layer", title=f"per-layer cos-sim: {t}")
+            fig.colorbar(im, ax=axes[0].tolist())
+            written.append(_save(fig, out_dir / "cos_sim_layers.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

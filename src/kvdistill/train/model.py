@@ -1,0 +1,200 @@
+"""`KVDistillModel`: the student plus everything trained with it (aligners, fusion, CODI heads).
+
+Wrapping them in one module is what makes distributed training right: DDP/FSDP see one model,
+so the aligners' gradients are synchronised together with the student's, and the student is
+called through the wrapper (its gradient-sync hooks fire). Teachers are *not* submodules: they
+never enter the optimizer, the gradient sync or the checkpoint's trainable state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvdistill.align.aligner import KVAligner
+from kvdistill.cache import ANSWER, PAD, KeySpace, KVCache, forward_with_kv
+from kvdistill.fusion import TeacherFusion, fuse_kv
+from kvdistill.losses import aligned_kv_loss
+
+
+@dataclass
+class LossWeights:
+    """Weights of the terms of the total loss (the KV weight's warm-up is applied per step)."""
+
+    ce: float = 1.0
+    codi: float = 0.0
+    logit_kd: float = 0.0
+    logit_kd_kind: str = "forward_kl"
+    temperature: float = 1.0
+
+
+def token_ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
+    """Sum of next-token CE over labelled positions, in fp32. logits `[B, T, V]`, labels `[B, T]`."""
+    return F.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
+def logit_kd_sum(student: Tensor, teacher: Tensor, labels: Tensor, kind: str, temperature: float) -> Tensor:
+    """Sum over labelled positions of a divergence between teacher and student next-token dists.
+
+    student, teacher: `[B, T, V]` logits on the same tokens; labels `[B, T]`.
+    """
+    V = min(student.shape[-1], teacher.shape[-1])  # embedding matrices are often padded past the vocab
+    s = F.log_softmax(student[:, :-1, :V].float() / temperature, -1)  # [B, T-1, V]
+    t = F.log_softmax(teacher[:, :-1, :V].float() / temperature, -1)
+    if kind == "forward_kl":  # KL(t || s): mode-covering
+        div = (t.exp() * (t - s)).sum(-1)
+    elif kind == "reverse_kl":  # KL(s || t): mode-seeking
+        div = (s.exp() * (s - t)).sum(-1)
+    else:  # Jensen-Shannon, beta = 0.5
+        m = torch.logsumexp(torch.stack([s, t]), 0) - torch.log(torch.tensor(2.0))
+        div = 0.5 * ((s.exp() * (s - m)).sum(-1) + (t.exp() * (t - m)).sum(-1))
+    valid = (labels[:, 1:] != -100).float()  # [B, T-1]
+    return (div * valid).sum() * temperature**2
+
+
+def answer_position(segment_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Index of the first answer token per sample `[B]`, and whether there is one `[B]`."""
+    is_answer = segment_ids == ANSWER  # [B, T]
+    return is_answer.float().argmax(1), is_answer.any(1)
+
+
+class KVDistillModel(nn.Module):
+    """Student + per-teacher aligners + fusion (+ CODI projectors), computing the whole loss.
+
+    `forward` returns `{"loss": Tensor, "metrics": dict}`; the loss is normalised by the *global*
+    token counts it is given, so gradient accumulation and data parallelism do not change it.
+    """
+
+    def __init__(
+        self,
+        student: nn.Module,
+        aligners: dict[str, KVAligner],
+        fusion: TeacherFusion,
+        kv_loss: nn.Module,
+        weights: LossWeights,
+        *,
+        key_space: KeySpace = "post_rope",
+        codi_dims: dict[str, tuple[int, int]] | None = None,
+        kv_segments: tuple[int, ...] = (0, 1, 2),
+    ):
+        super().__init__()
+        self.student = student
+        self.aligners = nn.ModuleDict(aligners)
+        self.fusion = fusion
+        self.kv_loss = kv_loss
+        self.weights = weights
+        self.key_space = key_space
+        self.kv_segments = kv_segments
+        # CODI: teacher hidden (d_t) -> student hidden (d_s) at the answer marker
+        self.codi = nn.ModuleDict({n: nn.Linear(dt, ds) for n, (dt, ds) in (codi_dims or {}).items()})
+
+    @property
+    def config(self):  # Trainer and accelerate read model.config
+        return self.student.config
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        self.student.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    def kv_mask(self, segment_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """`[B, T]` 1 where the KV loss applies: real tokens in the chosen segments."""
+        seg = torch.isin(segment_ids, torch.tensor(self.kv_segments, device=segment_ids.device))
+        return (seg & (attention_mask > 0) & (segment_ids != PAD)).float()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        labels: Tensor,
+        segment_ids: Tensor,
+        index: Tensor,
+        teacher_kvs: dict[str, KVCache],
+        teacher_logits: dict[str, Tensor] | None = None,
+        kv_scale: float = 0.0,
+        num_ce_tokens: Tensor | float | None = None,
+        num_kv_tokens: Tensor | float | None = None,
+    ) -> dict:
+        w = self.weights
+        need_kv = kv_scale > 0 and len(self.aligners) > 0
+        out, skv = forward_with_kv(
+            self.student, input_ids, attention_mask, segment_ids,
+            key_space=self.key_space, output_hidden_states=w.codi > 0,
+        )
+        ce_sum = token_ce_sum(out.logits, labels)
+        n_ce_local = (labels[:, 1:] != -100).sum()
+        n_ce = num_ce_tokens if num_ce_tokens is not None else n_ce_local.clamp(min=1)
+        metrics: dict[str, Tensor | float] = {"ce": (ce_sum / n_ce_local.clamp(min=1)).detach()}
+        loss = w.ce * ce_sum / n_ce
+
+        sample_w = self.fusion.sample_weights(index)  # [B, N]
+        names = list(self.aligners)
+        if need_kv:
+            base = self.kv_mask(segment_ids, attention_mask)  # [B, T_s]
+            n_kv = num_kv_tokens if num_kv_tokens is not None else base.sum().clamp(min=1)
+            kv_sum = self._kv_losses(names, teacher_kvs, skv, base, sample_w, metrics)
+            loss = loss + kv_scale * kv_sum / n_kv
+            metrics["kv_loss"] = (kv_sum / base.sum().clamp(min=1)).detach()
+        if w.codi > 0:
+            codi = self._codi(names, teacher_kvs, skv, sample_w)
+            loss = loss + w.codi * codi
+            metrics["codi"] = codi.detach()
+        if w.logit_kd > 0 and teacher_logits:
+            kd = sum(
+                sample_w[:, names.index(n)].mean() * logit_kd_sum(out.logits, t, labels, w.logit_kd_kind, w.temperature)
+                for n, t in teacher_logits.items()
+            )
+            loss = loss + w.logit_kd * kd / n_ce
+            metrics["logit_kd"] = (kd / n_ce_local.clamp(min=1)).detach()
+        for i, n in enumerate(names):
+            metrics[f"fusion_w/{n}"] = sample_w[:, i].mean().detach()
+        return {"loss": loss, "metrics": metrics}
+
+    def _kv_losses(self, names, teacher_kvs, skv, base, sample_w, metrics) -> Tensor:
+        """Sum over teachers of the (K + V)/2 loss sums, each teacher's mask scaled by its weights."""
+        aligned = [self.aligners[n](teacher_kvs[n], skv) for n in names]
+        masks = torch.stack([a.mask.float() * base for a in aligned])  # [N, B, T]
+        if self.fusion.kind == "kv_mean":
+            tk, m = fuse_kv(torch.stack([a.teacher_keys for a in aligned]), masks, sample_w)
+            tv, _ = fuse_kv(torch.stack([a.teacher_values for a in aligned]), masks, sample_w)
+            fused = replace(aligned[0], teacher_keys=tk, teacher_values=tv, mask=m)
+            loss, m_fused = aligned_kv_loss(self.kv_loss, fused)
+            self._log_teacher(metrics, "fused", m_fused)
+            return loss
+        total = base.new_zeros(())
+        for i, (n, a) in enumerate(zip(names, aligned)):
+            # the fusion weight is folded into the mask: losses stay plain masked sums
+            loss, m = aligned_kv_loss(self.kv_loss, replace(a, mask=masks[i] * sample_w[:, i : i + 1]))
+            total = total + loss
+            self._log_teacher(metrics, n, m)
+        return total
+
+    @staticmethod
+    def _log_teacher(metrics: dict, name: str, m: dict) -> None:
+        for key in ("cos_sim", "k_cos_sim", "v_cos_sim", "norm_ratio"):
+            metrics[f"{key}/{name}"] = _item(m[key])
+        for layer, c in enumerate(m["cos_sim_per_layer"].tolist()):
+            metrics[f"cos_layer/{name}/{layer}"] = c
+
+    def _codi(self, names, teacher_kvs, skv, sample_w) -> Tensor:
+        """CODI: smooth-L1 between the student's last hidden state at the answer marker and the
+        projected teacher's, scaled by the target's std (as in the CODI paper)."""
+        pos_s, has_s = answer_position(skv.segment_ids)
+        b = torch.arange(pos_s.shape[0], device=pos_s.device)
+        h_s = skv.hidden_states[-1][b, pos_s].float()  # [B, d_s]
+        total = h_s.new_zeros(())
+        for i, n in enumerate(names):
+            tkv = teacher_kvs[n]
+            pos_t, has_t = answer_position(tkv.segment_ids)
+            h_t = self.codi[n](tkv.hidden_states[-1][b, pos_t].float())  # [B, d_s]
+            per = F.smooth_l1_loss(h_s, h_t, reduction="none").mean(-1) / h_t.std().detach().clamp(min=1e-6)
+            valid = (has_s & has_t).float() * sample_w[:, i]
+            total = total + (per * valid).sum() / valid.sum().clamp(min=1e-6)
+        return total
+
+
+def _item(x) -> float:
+    return float(x.detach().float().mean()) if torch.is_tensor(x) else float(x)

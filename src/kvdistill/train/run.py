@@ -1,0 +1,153 @@
+"""The training recipe: config -> models, data, aligners -> `KVDistillTrainer` -> outputs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import set_seed
+
+from kvdistill.align.aligner import KVAligner
+from kvdistill.align.layers import build_layer_map
+from kvdistill.cache import extract_kv
+from kvdistill.data import DistillCollator, TeacherView, load_records
+from kvdistill.fusion import TeacherFusion
+from kvdistill.losses import build_kv_loss
+from kvdistill.models import config_hash, load_model, load_tokenizer, num_layers
+from kvdistill.teachers import TeacherSet, load_teacher
+from kvdistill.train.config import KVDistillConfig
+from kvdistill.train.model import KVDistillModel, LossWeights
+from kvdistill.train.trainer import KVDistillTrainer
+
+logger = logging.getLogger(__name__)
+SEGMENT_KEYS = {"prompt": 0, "reasoning": 1, "answer": 2}
+
+
+def _kv_loss(cfg: KVDistillConfig):
+    kwargs = {"reduction": "sum", "normalize_target": cfg.normalize_target}
+    if cfg.kv_loss in ("mercator", "hybrid"):
+        kwargs.update(alpha=cfg.mercator_alpha, beta=cfg.mercator_beta)
+    if cfg.kv_loss == "hybrid":
+        kwargs["weight"] = cfg.hybrid_weight
+    if cfg.segment_weights:
+        kwargs["segment_weights"] = {SEGMENT_KEYS.get(k, k): float(v) for k, v in cfg.segment_weights.items()}
+    return build_kv_loss(cfg.kv_loss, **kwargs)
+
+
+def _kv_segments(cfg: KVDistillConfig) -> tuple[int, ...]:
+    """Segments the KV loss counts tokens in (those not weighted 0)."""
+    w = {SEGMENT_KEYS.get(k, k): float(v) for k, v in (cfg.segment_weights or {}).items()}
+    return tuple(s for s in (0, 1, 2) if w.get(s, 1.0) > 0)
+
+
+def _layer_map(cfg: KVDistillConfig, spec, student, teacher) -> torch.Tensor:
+    L_s, L_t = num_layers(student), num_layers(teacher)
+    kind = {"cka": "json"}.get(cfg.layer_map, cfg.layer_map)
+    return build_layer_map(
+        kind, L_s, L_t, k=cfg.layer_map_k, path=spec.layer_map,
+        student_hash=config_hash(student), teacher_hash=config_hash(teacher),
+        check_hashes=not cfg.ignore_layer_map_hash,
+    )
+
+
+def teacher_correctness(cfg: KVDistillConfig, teachers: TeacherSet, records: list[dict]) -> torch.Tensor:
+    """`[num_records, N]` 0/1: did each teacher's greedy answer match the gold one (cached on disk)."""
+    from kvdistill.evaluate.eval import evaluate_model
+
+    cache = Path(cfg.output_dir) / "teacher_correctness.json"
+    stored = json.loads(cache.read_text()) if cache.exists() else {}
+    cols = []
+    for t in teachers:
+        key = f"{t.name}:{t.config_hash}:{len(records)}"
+        if key not in stored:
+            logger.info("fusion=correctness: answering %d training problems with teacher %s", len(records), t.name)
+            res = evaluate_model(t.model, t.tokenizer, records, batch_size=16, max_new_tokens=cfg.max_length,
+                                 template=cfg.prompt_template, perplexity=False)
+            stored[key] = [int(it["correct"]) for it in res["items"]]
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(stored))
+        cols.append(torch.tensor(stored[key], dtype=torch.float32))
+    return torch.stack(cols, 1)
+
+
+def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
+    """Load everything the config names and wire it into a `KVDistillTrainer`."""
+    set_seed(cfg.seed)
+    tokenizer = load_tokenizer(cfg.student)
+    student = load_model(cfg.student, dtype=cfg.student_dtype)
+    extra = [t.rationale_field for t in cfg.teacher_configs if t.rationale_field]
+    records = load_records(cfg.data, cfg.data_split, cfg.field_map, cfg.max_samples, extra_fields=extra)
+    for i, r in enumerate(records):
+        r["index"] = i  # row id, for per-sample teacher weights
+    use_teachers = bool(cfg.teacher_configs) and (cfg.kv_weight > 0 or cfg.codi_weight > 0 or cfg.logit_kd_weight > 0)
+    specs = cfg.teacher_configs if use_teachers else []
+    teachers = [load_teacher(s, tokenizer, untrained=cfg.untrained_teacher_control, seed=cfg.seed) for s in specs]
+    views = {
+        t.name: TeacherView(t.tokenizer, s.rationale_field)
+        for t, s in zip(teachers, specs) if not t.shares_student_tokens
+    }
+    collator = DistillCollator(tokenizer, cfg.max_length, cfg.prompt_template, cfg.use_chat_template, views)
+    teacher_set = TeacherSet(teachers, cfg.device, offload=cfg.teacher_offload)
+
+    # size the aligners from one probe batch (dims are read from the caches, so any pair works)
+    aligners, layer_maps, codi_dims = {}, {}, {}
+    if teachers:
+        probe = collator(records[:2])
+        student.to(cfg.device)
+        skv = extract_kv(student, probe["input_ids"].to(cfg.device), probe["attention_mask"].to(cfg.device),
+                         probe["segment_ids"].to(cfg.device), key_space=cfg.key_space)
+        for t, s in zip(teachers, specs):
+            src = probe["teacher_inputs"].get(t.name, probe)
+            tkv, _ = teacher_set.forward(t.name, *(src[k].to(cfg.device) for k in ("input_ids", "attention_mask",
+                                                                                       "segment_ids")),
+                                         key_space=cfg.key_space)
+            layer_maps[t.name] = _layer_map(cfg, s, student, t.model)
+            aligner = KVAligner(
+                mode=cfg.head_mode, time_mode=cfg.time_mode, layer_map=layer_maps[t.name],
+                projector=s.projector or cfg.projector,
+                mlp_ratio=s.mlp_ratio if s.mlp_ratio is not None else cfg.mlp_ratio,
+                dropout=s.projector_dropout if s.projector_dropout is not None else cfg.projector_dropout,
+                init=s.projector_init or cfg.projector_init, share_layers=cfg.share_layers, direction=cfg.direction,
+            )
+            aligner.setup(tkv, skv)
+            aligners[t.name] = aligner
+            if cfg.codi_weight > 0:
+                codi_dims[t.name] = (t.model.config.hidden_size, student.config.hidden_size)
+    correctness = teacher_correctness(cfg, teacher_set, records) if cfg.fusion == "correctness" and teachers else None
+    weights = [t.weight for t in teachers] or [1.0]
+    fusion = TeacherFusion(cfg.fusion if teachers else "loss_sum", weights, correctness)
+    model = KVDistillModel(
+        student, aligners, fusion, _kv_loss(cfg),
+        LossWeights(cfg.ce_weight, cfg.codi_weight, cfg.logit_kd_weight, cfg.logit_kd_kind, cfg.logit_kd_temperature),
+        key_space=cfg.key_space, codi_dims=codi_dims, kv_segments=_kv_segments(cfg),
+    )
+    return KVDistillTrainer(
+        model=model, args=cfg, train_dataset=datasets.Dataset.from_list(records), data_collator=collator,
+        processing_class=tokenizer, teachers=teacher_set, layer_maps=layer_maps,
+    )
+
+
+def run_training(cfg: KVDistillConfig) -> Path:
+    """Train, save the final student + aligners, write `train_summary.json` and curve PNGs."""
+    if cfg.ce_weight == 0:
+        logger.warning("ce_weight=0: KV-only training can collapse to a trivially high cos-sim")
+    trainer = build_trainer(cfg)
+    result = trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
+    out = Path(cfg.output_dir)
+    trainer.save_model(str(out))
+    if trainer.is_world_process_zero():
+        from kvdistill.train.curves import final_metrics, plot_training_curves
+
+        summary = {
+            "global_step": trainer.state.global_step,
+            "train_loss": result.training_loss,
+            "final": final_metrics(out / "metrics.jsonl"),
+            "teachers": trainer.teachers.manifest(),
+            "student": cfg.student,
+        }
+        (out / "train_summary.json").write_text(json.dumps(summary, indent=1))
+        plot_training_curves(out / "metrics.jsonl", out)
+    return out

@@ -1,0 +1,203 @@
+"""`KVDistillTrainer`: `transformers.Trainer` with a distillation `compute_loss`.
+
+The library runs the loop, gradient accumulation, mixed precision, checkpoints and multi-device;
+this class adds: teacher forwards under no_grad, the KV warm-up, loss normalisation by the
+*global* token counts, two optimizer param groups, extra metrics, and a checkpoint layout where
+the student is a plain HF model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from transformers import Trainer, TrainerCallback
+
+from kvdistill.teachers import TeacherSet
+from kvdistill.train.config import ConfigError, KVDistillConfig
+from kvdistill.train.model import KVDistillModel
+
+MODULES_FILE = "kvdistill_modules.safetensors"  # aligners, fusion logits, CODI heads
+TEACHERS_FILE = "teachers.json"
+CONFIG_FILE = "kvdistill_config.yaml"
+
+
+def kv_warmup_factor(step: int, warmup_steps: int) -> float:
+    """Linear warm-up of the KV term: (step+1)/warmup_steps, capped at 1; 1 when warmup_steps is 0."""
+    return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+
+class MetricsFileCallback(TrainerCallback):
+    """Append every log record to `metrics.jsonl` (main process only)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+
+
+class KVDistillTrainer(Trainer):
+    """Trainer whose model is a `KVDistillModel` and whose loss distils from `teachers`."""
+
+    # compute_loss normalises by global token counts itself: Trainer must not divide again
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args: Any, teachers: TeacherSet, layer_maps: dict[str, Any] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.teachers = teachers
+        self.layer_maps = layer_maps or {}
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self.add_callback(MetricsFileCallback(Path(self.args.output_dir) / "metrics.jsonl"))
+        if getattr(self.accelerator.state, "deepspeed_plugin", None) is not None:
+            self.teachers.prepare_deepspeed(self.accelerator)
+
+    @property
+    def distill_model(self) -> KVDistillModel:
+        return self.accelerator.unwrap_model(self.model)
+
+    # ------------------------------------------------------------------ optimisation
+    def create_optimizer(self, model=None):
+        """Two learning rates: the student's (`learning_rate`) and the aligners' (`aligner_learning_rate`)."""
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        groups = []
+        for part, lr in (("student", self.args.learning_rate), ("aligner", self.args.aligner_learning_rate)):
+            for use_decay in (True, False):
+                params = [
+                    p for n, p in opt_model.named_parameters()
+                    if p.requires_grad and (n.startswith("student.") == (part == "student")) and (n in decay) == use_decay
+                ]
+                if params:
+                    wd = self.args.weight_decay if use_decay else 0.0
+                    groups.append({"params": params, "lr": lr, "weight_decay": wd, "name": part})
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        self.optimizer = cls(groups, **kwargs)
+        return self.optimizer
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
+        """Global (all micro-batches, all ranks) counts `[2]`: CE tokens and KV tokens."""
+        if not batch_samples or "labels" not in batch_samples[0]:
+            return None
+        m = self.distill_model
+        ce = sum(float((b["labels"][:, 1:] != -100).sum()) for b in batch_samples)
+        kv = sum(float(m.kv_mask(b["segment_ids"], b["attention_mask"]).sum()) for b in batch_samples)
+        counts = torch.tensor([ce, kv], device=device)
+        if self.args.world_size > 1:
+            counts = self.accelerator.gather(counts[None]).sum(0)
+        return counts.clamp(min=1)
+
+    # ------------------------------------------------------------------ the loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args: KVDistillConfig = self.args
+        inputs = dict(inputs)
+        teacher_inputs = inputs.pop("teacher_inputs", {})
+        warm = kv_warmup_factor(self.state.global_step, args.kv_warmup_steps)
+        kv_scale = args.kv_weight * warm
+        use_teachers = len(self.teachers) > 0 and (kv_scale > 0 or args.codi_weight > 0 or args.logit_kd_weight > 0)
+        teacher_kvs, teacher_logits = {}, {}
+        if use_teachers:
+            for t in self.teachers:
+                src = teacher_inputs.get(t.name, inputs)
+                want_logits = args.logit_kd_weight > 0 and t.shares_student_tokens
+                teacher_kvs[t.name], logits = self.teachers.forward(
+                    t.name, src["input_ids"], src["attention_mask"], src["segment_ids"],
+                    key_space=args.key_space, output_hidden_states=args.codi_weight > 0, return_logits=want_logits,
+                )
+                if logits is not None:
+                    teacher_logits[t.name] = logits
+        counts = num_items_in_batch
+        out = model(
+            **inputs,
+            teacher_kvs=teacher_kvs,
+            teacher_logits=teacher_logits,
+            kv_scale=kv_scale if use_teachers else 0.0,
+            num_ce_tokens=None if counts is None else counts[0],
+            num_kv_tokens=None if counts is None else counts[1],
+        )
+        loss = out["loss"]
+        if counts is not None:
+            # counts are global; DDP averages gradients over ranks, so undo that average
+            loss = loss * self.accelerator.num_processes
+        if model.training:
+            for k, v in out["metrics"].items():
+                self._metrics[k].append(float(v))
+            self._metrics["kv_warmup"].append(warm)
+        return (loss, out) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        logging_steps = max(int(self.args.logging_steps), 1)
+        if self.accelerator.sync_gradients and (self.state.global_step + 1) % logging_steps == 0:
+            for part, norm in self._grad_norms().items():
+                self._metrics[f"grad_norm/{part}"].append(norm)
+        return loss
+
+    def _grad_norms(self) -> dict[str, float]:
+        sq = {"student": 0.0, "aligner": 0.0}
+        for n, p in self.model.named_parameters():
+            if p.grad is not None:
+                sq["student" if ".student." in f".{n}" else "aligner"] += float(p.grad.detach().float().square().sum())
+        return {k: math.sqrt(v) for k, v in sq.items()}
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._metrics:
+            logs = {**logs, **{k: sum(v) / len(v) for k, v in self._metrics.items() if v}}
+            self._metrics.clear()
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Student as a plain HF model dir; aligners etc. as safetensors; config + teacher manifest."""
+        out = Path(output_dir or self.args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        wrapper = self.distill_model
+        state_dict = wrapper.state_dict() if state_dict is None else state_dict
+        student_sd = {k[len("student.") :]: v for k, v in state_dict.items() if k.startswith("student.")}
+        wrapper.student.save_pretrained(out, state_dict=student_sd)
+        extra = {k: v.detach().contiguous().cpu() for k, v in state_dict.items() if not k.startswith("student.")}
+        if extra:
+            save_file(extra, out / MODULES_FILE)
+        for name, aligner in wrapper.aligners.items():
+            aligner.save(out / "aligners" / name)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(out)
+        (out / TEACHERS_FILE).write_text(json.dumps(self.teachers.manifest(), indent=1))
+        (out / CONFIG_FILE).write_text(yaml.safe_dump(self.args.to_yaml_dict(), sort_keys=False))
+        for name, lm in self.layer_maps.items():
+            (out / "layer_maps").mkdir(exist_ok=True)
+            (out / "layer_maps" / f"{name}.json").write_text(json.dumps({"teacher": name, "matrix": lm.tolist()}))
+        torch.save(self.args, out / "training_args.bin")
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        ckpt = Path(resume_from_checkpoint)
+        saved = json.loads((ckpt / TEACHERS_FILE).read_text()) if (ckpt / TEACHERS_FILE).exists() else []
+        now = self.teachers.manifest()
+        key = lambda ts: [(t["name"], t["config_hash"]) for t in ts]  # noqa: E731
+        if key(saved) != key(now):
+            raise ConfigError(
+                f"checkpoint {ckpt} was trained with teachers {key(saved)}, this run has {key(now)}; resume with "
+                "the same teachers, or start a new run (a new output_dir) without --resume_from_checkpoint"
+            )
+        wrapper = self.distill_model
+        student = wrapper.student
+        loaded = type(student).from_pretrained(ckpt, dtype=next(student.parameters()).dtype)
+        student.load_state_dict(loaded.state_dict())
+        if (ckpt / MODULES_FILE).exists():
+            extra = load_file(ckpt / MODULES_FILE)
+            missing, unexpected = wrapper.load_state_dict(extra, strict=False)
+            missing = [k for k in missing if not k.startswith("student.")]
+            if missing or unexpected:
+                raise ConfigError(f"checkpoint {ckpt} does not match this run's aligners: missing {missing}, "
+                                  f"unexpected {unexpected}; resume with the same alignment settings")

@@ -1,0 +1,37 @@
+"""Helpers for training tests: a base config on the tiny fixtures."""
+
+import pytest
+
+
+@pytest.fixture
+def base_args(tiny_world, tmp_path):
+    """CLI args for a fast CPU run on the tiny fixtures (override what a test needs)."""
+    m = tiny_world.models
+
+    def make(**overrides):
+        args = {
+            "student": str(m["student"]),
+            "teachers": f"[{{path: {m['qwen2_teacher']}}}]",
+            "data": str(tiny_world.data_dir),
+            "output_dir": str(tmp_path / "run"),
+            "max_length": 160,
+            "max_steps": 6,
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 1,
+            "learning_rate": 1e-3,
+            "aligner_learning_rate": 1e-3,
+            "kv_warmup_steps": 0,
+            "logging_steps": 2,
+            "save_steps": 1000,
+            "use_cpu": True,
+            "seed": 0,
+            "dataloader_num_workers": 0,
+            "disable_tqdm": True,
+        }
+        args.update(overrides)
+        argv = []
+        for k, v in args.items():
+            argv += [f"--{k}", str(v)]
+        return argv
+
+    return make

@@ -1,0 +1,74 @@
+"""Config: YAML + CLI, defaults of the seed prototype, errors before any model loads."""
+
+import json
+
+import pytest
+import yaml
+
+from kvdistill.train.config import ConfigError, KVDistillConfig, parse_config
+from kvdistill.train.trainer import kv_warmup_factor
+
+
+def test_yaml_plus_cli_override(tiny_world, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "student": str(tiny_world.models["student"]),
+        "teachers": [{"path": str(tiny_world.models["qwen2_teacher"]), "weight": 2.0}],
+        "learning_rate": 3e-4, "kv_weight": 0.2,
+    }))
+    cfg = parse_config(["--config", str(path), "--learning_rate", "1e-4", "--output_dir", str(tmp_path / "o")])
+    assert cfg.learning_rate == 1e-4 and cfg.kv_weight == 0.2
+    assert cfg.teacher_configs[0].weight == 2.0 and cfg.teacher_configs[0].name == "qwen2_teacher"
+
+
+def test_seed_prototype_defaults(tiny_world):
+    cfg = parse_config(["--student", str(tiny_world.models["student"]), "--kv_weight", "0"])
+    assert (cfg.max_length, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (512, 2, 16)
+    assert (cfg.max_steps, cfg.weight_decay, cfg.learning_rate, cfg.aligner_learning_rate) == (1000, 0.01, 5e-5, 1e-3)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--kv_wieght", "1"], "did you mean 'kv_weight'"),
+    (["--kv_weight", "-1"], "kv_weight must be >= 0"),
+    (["--time_mode", "warp"], "time_mode"),
+    (["--teachers", "[{path: /no/such/teacher}]"], "does not exist"),
+    (["--teachers", "[{path: /tmp, wieght: 1}]"], "did you mean 'weight'"),
+    (["--ce_weight", "0"], "allow_kv_only"),
+    (["--kv_loss", "structural"], "head_mode: structured"),
+])
+def test_bad_config_fails_with_a_fix(tiny_world, argv, match, monkeypatch):
+    import kvdistill.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    base = ["--student", str(tiny_world.models["student"]),
+            "--teachers", f"[{{path: {tiny_world.models['qwen2_teacher']}}}]"]
+    with pytest.raises(ConfigError, match=match):
+        parse_config(base + argv)
+
+
+def test_unknown_yaml_key_suggests(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("studnet: x\n")
+    with pytest.raises(ConfigError, match="did you mean 'student'"):
+        parse_config(["--config", str(path)])
+
+
+def test_layer_map_for_other_models_fails_early(tiny_world, tmp_path):
+    lm = tmp_path / "map.json"
+    lm.write_text(json.dumps({"student_layers": 5, "teacher_layers": 4, "matrix": [[1, 0, 0, 0]] * 5}))
+    with pytest.raises(ConfigError, match="re-run `kvdistill layer-map`"):
+        parse_config(["--student", str(tiny_world.models["student"]), "--layer_map", "cka",
+                      "--teachers", f"[{{path: {tiny_world.models['qwen2_teacher']}, layer_map: {lm}}}]"])
+
+
+def test_warmup_schedule():
+    assert [kv_warmup_factor(s, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert kv_warmup_factor(0, 0) == 1.0
+
+
+def test_config_is_training_arguments(tiny_world):
+    from transformers import TrainingArguments
+
+    cfg = parse_config(["--student", str(tiny_world.models["student"]), "--kv_weight", "0"])
+    assert isinstance(cfg, KVDistillConfig) and isinstance(cfg, TrainingArguments)
+    assert yaml.safe_load(yaml.safe_dump(cfg.to_yaml_dict()))["student"] == str(tiny_world.models["student"])
