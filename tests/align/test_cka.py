@@ -11,7 +11,6 @@ from kvdistill.align.cka import (
     StreamingCKA,
     center_gram,
     cka_matrix,
-    flatten_heads,
     gram,
     hsic_matrix,
     linear_cka,
@@ -214,13 +213,6 @@ def test_pool_features_masks_padding():
     assert pool_features(h.bfloat16(), mask, "mean").dtype == torch.float32
     with pytest.raises(ValueError, match="pooling"):
         pool_features(h, mask, "max")
-
-
-def test_flatten_heads():
-    kv = torch.randn(2, 3, 4, 5, 6)  # [L, B, H, T, D]
-    flat = flatten_heads(kv)
-    assert flat.shape == (2, 3, 5, 24)
-    torch.testing.assert_close(flat[1, 2, 3].view(4, 6), kv[1, 2, :, 3])
 
 
 # --------------------------------------------------------------------------- top-k maps

@@ -137,6 +137,7 @@ def test_command_end_to_end_two_teachers(tiny_world, tmp_path, capsys):
         "--teacher", str(m["qwen2_teacher"]), str(m["llama_teacher_alt_tok"]),
         "--data", str(tiny_world.data_dir), "--samples", "6", "--top-k", "2", "--batch-size", "3",
         "--max-length", "64", "--debiased", "--monotonic", "--temperature", "0.1", "--dtype", "fp32",
+        "--cka-dtype", "float32",
         "--out", str(out), "--no-progress", "--device", "cpu",
     ]  # fmt: skip
     assert main(argv) == 0
@@ -149,4 +150,5 @@ def test_command_end_to_end_two_teachers(tiny_world, tmp_path, capsys):
         assert path.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
         prov = json.loads(path.read_text())["provenance"]
         assert prov["teacher"] == str(m[name]) and prov["debiased"] and prov["monotonic"]
+        assert prov["cka_dtype"] == "float32"
     assert "llama_teacher_alt_tok" in capsys.readouterr().out

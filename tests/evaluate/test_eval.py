@@ -45,7 +45,7 @@ class FakeModel(torch.nn.Module):
             prompt = self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
             question = prompt.split("Question: ", 1)[1].rsplit("\nAnswer:", 1)[0]
             new = self.tokenizer(" " + self.answer_fn(question), add_special_tokens=False)["input_ids"]
-            rows.append(new[:max_new_tokens] + [self.tokenizer.eos_token_id])
+            rows.append([*new[:max_new_tokens], self.tokenizer.eos_token_id])
         width = max(len(r) for r in rows)
         new = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows])
         return torch.cat([input_ids, new], dim=1)
@@ -64,7 +64,9 @@ def records(tiny_world):
 def test_echo_gold_model_scores_one(tok, records):
     by_question = {r["question"]: r["answer"] for r in records}
     model = FakeModel(tok, lambda q: by_question[q])
-    out = evaluate_model(model, tok, records, batch_size=5, max_new_tokens=200, perplexity=False, progress=False)
+    out = evaluate_model(
+        model, tok, records, batch_size=5, max_new_tokens=200, perplexity=False, progress=False
+    )
     assert out["accuracy"] == 1.0
     assert (out["n"], out["n_correct"], out["n_no_answer"]) == (12, 12, 0)
     assert out["ci_high"] == 1.0 and out["ci_low"] < 1.0
@@ -78,8 +80,10 @@ def test_echo_gold_model_scores_one(tok, records):
 
 def test_zero_model_scores_rate_of_zero_golds(tok):
     golds = [0, 5, 0, 12, 0, 7, 3, 0]
-    recs = [{"question": f"Sam has {g} coins and item {i}. How many?", "answer": f"He has {g}.\n#### {g}"}
-            for i, g in enumerate(golds)]
+    recs = [
+        {"question": f"Sam has {g} coins and item {i}. How many?", "answer": f"He has {g}.\n#### {g}"}
+        for i, g in enumerate(golds)
+    ]
     # a run-on completion: the second question's answer must be cut off by the stop string
     model = FakeModel(tok, lambda q: "so #### 0\nQuestion: next one\nAnswer: 5\n#### 5")
     out = evaluate_model(model, tok, recs, batch_size=3, max_new_tokens=200, perplexity=False, progress=False)
@@ -133,8 +137,23 @@ def test_reference_perplexity_matches_per_example_ce(tiny_world, tok, records):
 
 def test_cli_writes_items_and_summary(tiny_world, tmp_path, capsys):
     out = tmp_path / "eval"
-    rc = main(["--model", str(tiny_world.models["gpt2"]), "--data", str(tiny_world.data_dir), "--limit", "4",
-               "--batch-size", "2", "--max-new-tokens", "6", "--out", str(out), "--no-progress"])
+    rc = main(
+        [
+            "--model",
+            str(tiny_world.models["gpt2"]),
+            "--data",
+            str(tiny_world.data_dir),
+            "--limit",
+            "4",
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     for key in ("accuracy", "ci_low", "ci_high", "n", "perplexity", "model"):
@@ -155,7 +174,13 @@ def test_chat_template_modes(tiny_world):
     assert use_chat(tok, "auto") and not use_chat(tok, "off")
     model = FakeModel(tok, lambda q: "#### 1")
     model.generate = lambda input_ids, attention_mask, **kw: torch.cat(  # echo "#### 1" after the prompt
-        [input_ids, tok(" #### 1", add_special_tokens=False, return_tensors="pt")["input_ids"].repeat(len(input_ids), 1)], 1
+        [
+            input_ids,
+            tok(" #### 1", add_special_tokens=False, return_tensors="pt")["input_ids"].repeat(
+                len(input_ids), 1
+            ),
+        ],
+        1,
     )
     recs = [{"question": "q", "answer": "#### 1"}]
     out = evaluate_model(model, tok, recs, perplexity=False, progress=False)
@@ -183,13 +208,41 @@ def test_saved_student_loads_like_lm_eval_hf(tiny_world):
 
 
 def test_lm_eval_harness_runs_on_saved_student(tiny_world):
-    lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness not installed (pip install lm-eval)")
+    lm_eval = pytest.importorskip(
+        "lm_eval", reason="lm-evaluation-harness not installed (pip install lm-eval)"
+    )
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=str(tiny_world.models["student"]), batch_size=2, device="cpu")
     from lm_eval.api.instance import Instance
 
     req = Instance("loglikelihood", {}, ("Question: 1 + 1?\nAnswer:", " 2"), 0)
-    (logprob, _), = lm.loglikelihood([req])
+    ((logprob, _),) = lm.loglikelihood([req])
     assert math.isfinite(logprob) and logprob < 0
     assert lm_eval is not None
+
+
+def test_kvdistill_run_dir_uses_its_training_template(tiny_world, tmp_path):
+    import shutil
+
+    from kvdistill.evaluate.eval import run_eval, training_prompt_settings
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_world.models["student"], run)
+    (run / "kvdistill_config.yaml").write_text(
+        'prompt_template: "Q: {question}\\nA:"\nuse_chat_template: true\n'
+    )
+    assert training_prompt_settings(run) == {"template": "Q: {question}\nA:", "chat_template": "auto"}
+    assert training_prompt_settings(tiny_world.models["student"]) is None
+    out = run_eval(
+        run,
+        data=str(tiny_world.data_dir),
+        limit=2,
+        max_new_tokens=2,
+        perplexity=False,
+        progress=False,
+        template=None,
+        log=lambda s: None,
+    )
+    assert out["template"] == "Q: {question}\nA:" and out["stop_strings"] == ["\nQ:"]
+    assert out["chat_template"] is False  # "auto" and the tokenizer has none

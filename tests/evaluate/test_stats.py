@@ -55,7 +55,9 @@ def test_paired_ttest_matches_scipy_constant():
     assert r.df == 4
     assert r.mean_diff == pytest.approx(0.05)
     assert r.ci_low < 0.05 < r.ci_high
-    assert r.ci_low == pytest.approx(0.05 - 2.7764451051977934 * np.std(np.subtract(a, b), ddof=1) / math.sqrt(5))
+    assert r.ci_low == pytest.approx(
+        0.05 - 2.7764451051977934 * np.std(np.subtract(a, b), ddof=1) / math.sqrt(5)
+    )
     # symmetric: swapping the arms flips the sign, keeps p
     r2 = paired_ttest(b, a)
     assert r2.t == pytest.approx(-r.t) and r2.p_value == pytest.approx(r.p_value)

@@ -59,7 +59,7 @@ def gram(x: Tensor, *, dtype: torch.dtype = torch.float64) -> Tensor:
     Returns:
         `[..., n, n]` Gram matrices `Xc Xcᵀ`.
     """
-    mean = x.to(torch.float64).mean(dim=-2, keepdim=True)  # [..., 1, d]
+    mean = x.sum(dim=-2, keepdim=True, dtype=torch.float64) / x.shape[-2]  # [..., 1, d], no float64 copy of x
     xc = x.to(dtype) - mean.to(dtype)  # [..., n, d]
     return xc @ xc.transpose(-1, -2)  # [..., n, n]
 
@@ -164,8 +164,9 @@ class StreamingCKA:
 
         CKA = Σ_b n_b HSIC_b(X, Y) / sqrt(Σ_b n_b HSIC_b(X, X) · Σ_b n_b HSIC_b(Y, Y)).
 
-    Memory: the buffer (< `minibatch_size` rows plus one update) and two Gram stacks
-    `[L, n_b, n_b]`; nothing grows with the number of rows seen.
+    Memory: the buffer (< `minibatch_size` rows in the caller's dtype, plus one update), one
+    minibatch upcast to `dtype` and its Grams `[L, n_b, n_b]` (float64); nothing grows with the
+    number of rows seen. 24 x 28 layers, 896 / 3584 dims, `n_b = 1024`: about 2 GB at float64.
 
     Args:
         minibatch_size: rows per minibatch; `None` keeps every row and computes full-batch CKA
@@ -231,15 +232,19 @@ class StreamingCKA:
             raise ValueError("layer count or feature dim changed between updates")
         if x.shape[1] == 0:
             return
-        # keep the buffer compact and in the computation dtype, detached from any graph
-        self._buf_x.append(x.detach().to(self.dtype))  # [L_x, n, d_x]
-        self._buf_y.append(y.detach().to(self.dtype))  # [L_y, n, d_y]
+        # rows are kept in the caller's dtype (bf16 features stay bf16) and upcast per minibatch
+        x, y = x.detach(), y.detach()  # [L_x, n, d_x], [L_y, n, d_y]
         self._buffered += x.shape[1]
         self.num_rows += x.shape[1]
         mb = self.minibatch_size
-        if mb is None or self._buffered < mb:
+        if mb is None or self._buffered < mb:  # the rows wait: keep a copy the caller cannot change
+            self._buf_x.append(x.clone())
+            self._buf_y.append(y.clone())
             return
-        bx, by = torch.cat(self._buf_x, dim=1), torch.cat(self._buf_y, dim=1)  # [L, buffered, d]
+        self._buf_x.append(x)
+        self._buf_y.append(y)
+        bx = torch.cat(self._buf_x, dim=1) if len(self._buf_x) > 1 else x  # [L_x, buffered, d_x]
+        by = torch.cat(self._buf_y, dim=1) if len(self._buf_y) > 1 else y  # [L_y, buffered, d_y]
         full = (self._buffered // mb) * mb
         for start in range(0, full, mb):
             self._add(bx[:, start : start + mb], by[:, start : start + mb])
@@ -299,12 +304,6 @@ def pool_features(h: Tensor, mask: Tensor, pooling: Pooling = "tokens") -> Tenso
         total = torch.einsum("lbtd,bt->lbd", h.to(torch.float32), w)  # [L, B, d]
         return total / w.sum(dim=1).clamp_min(1.0)[None, :, None]
     raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-
-
-def flatten_heads(kv: Tensor) -> Tensor:
-    """`[L, B, H, T, D] -> [L, B, T, H·D]`: one feature vector per token and layer."""
-    L, B, H, T, D = kv.shape
-    return kv.permute(0, 1, 3, 2, 4).reshape(L, B, T, H * D)  # [L, B, T, H·D]
 
 
 # --------------------------------------------------------------------------- top-k maps

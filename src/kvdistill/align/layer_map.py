@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kvdistill.align.cka import POOLINGS, StreamingCKA, flatten_heads, pool_features, topk_layer_map
+from kvdistill.align.cka import POOLINGS, StreamingCKA, pool_features, topk_layer_map
+from kvdistill.align.heads import flatten_heads
 from kvdistill.align.layers import save_layer_map
 from kvdistill.align.time import resample, time_index
 from kvdistill.cache import extract_kv
@@ -176,6 +177,7 @@ def compute_layer_map(
     key_space: str = "post_rope",
     template: str = DEFAULT_TEMPLATE,
     use_chat_template: bool = False,
+    cka_dtype: torch.dtype = torch.float64,
     seed: int | None = None,
     provenance: Mapping[str, Any] | None = None,
     progress: bool | None = None,
@@ -196,6 +198,7 @@ def compute_layer_map(
         time_mode: "segment" | "global" alignment of a differently tokenized teacher.
         key_space: "post_rope" | "pre_rope" keys (representation "keys").
         template, use_chat_template: prompt formatting, as in training.
+        cka_dtype: Gram computation dtype (HSIC sums are float64 in any case).
         seed: recorded in the provenance (the caller samples the records).
         provenance: extra fields for the provenance (e.g. the data source).
         progress: tqdm bar (None: only on a terminal).
@@ -214,7 +217,7 @@ def compute_layer_map(
         student_model, teacher_model, student_tok, teacher_tok, records,
         representation=representation, pooling=pooling, debiased=debiased, batch_size=batch_size,
         max_length=max_length, minibatch_size=minibatch_size, time_mode=time_mode, key_space=key_space,
-        template=template, use_chat_template=use_chat_template, progress=progress,
+        template=template, use_chat_template=use_chat_template, cka_dtype=cka_dtype, progress=progress,
         desc=f"layer-map {Path(_model_name(teacher_model).rstrip('/')).name or 'teacher'}",
     )  # fmt: skip
     M = topk_layer_map(S, k, temperature=temperature, monotonic=monotonic)
@@ -235,6 +238,7 @@ def compute_layer_map(
         "pooling": pooling,
         "debiased": debiased,
         "minibatch_size": minibatch_size,
+        "cka_dtype": str(cka_dtype).replace("torch.", ""),
         "time_mode": time_mode,
         "max_length": max_length,
         "seed": seed,
@@ -357,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="CKA rows per minibatch; memory ~ (L_s + L_t) x n^2 x 8 bytes (default 1024)",
     )
     p.add_argument(
+        "--cka-dtype",
+        choices=("float64", "float32"),
+        default="float64",
+        help="Gram precision: float32 halves CKA time and memory (features are centred first)",
+    )
+    p.add_argument(
         "--time-mode",
         choices=("segment", "global"),
         default="segment",
@@ -409,6 +419,7 @@ def main(argv: list[str]) -> int:
             pooling=a.pooling, debiased=a.debiased, batch_size=a.batch_size, max_length=a.max_length,
             minibatch_size=a.minibatch_size, time_mode=a.time_mode, key_space=a.key_space,
             template=a.template, use_chat_template=a.chat_template, seed=a.seed,
+            cka_dtype=getattr(torch, a.cka_dtype),
             provenance={"student": a.student, "teacher": teacher_path, "data": a.data, "split": a.split,
                         "quantization": a.quantization},
             progress=False if a.no_progress else None,

@@ -287,7 +287,8 @@ def eval_settings_for(cfg: AblationConfig, train_cfg: Mapping[str, Any]) -> dict
         "split": "test",
         "field_map": train_cfg.get("field_map"),
         "template": train_cfg.get("prompt_template") or None,
-        "chat_template": "on" if train_cfg.get("use_chat_template") else "off",
+        # training falls back to the plain template when the tokenizer has none: so does "auto"
+        "chat_template": "auto" if train_cfg.get("use_chat_template") else "off",
         "batch_size": 8,
         "max_new_tokens": 256,
     }
@@ -670,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(f"{k}={'+'.join(v)}" for k, v in VARIANT_SETS.items()),
     )
     p.add_argument(
-        "--config", required=True, help="ablation YAML (base_config, variants, seeds, eval, out_dir)"
+        "--config", default=None, help="ablation YAML (base_config, variants, seeds, eval, out_dir)"
     )
     p.add_argument("--out-dir", default=None, help="override out_dir")
     p.add_argument("--seeds", default=None, help="override seeds, comma separated (e.g. 0,1,2,3,4)")
@@ -684,11 +685,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
     if a.list_variants:
         for name, (label, overrides) in BUILTIN_VARIANTS.items():
             print(f"{name:<18} {label:<28} {json.dumps(overrides, sort_keys=True)}")
+        for name, members in VARIANT_SETS.items():
+            print(f"set {name:<14} {', '.join(members)}")
         return 0
+    if a.config is None:
+        parser.error("--config is required (or --list-variants)")
     extra: dict[str, Any] = {"out_dir": a.out_dir}
     if a.seeds:
         extra["seeds"] = [int(s) for s in a.seeds.split(",") if s.strip()]

@@ -405,6 +405,29 @@ def _tokenizer_dir(model_dir: str) -> str:
     return model_dir
 
 
+def training_prompt_settings(model_dir: str | Path) -> dict[str, Any] | None:
+    """`{"template", "chat_template"}` a kvdistill run was trained with (its `kvdistill_config.yaml`).
+
+    Looked up in the model dir and its parent (a `checkpoint-N/` of a run); `None` for any
+    other model, which then gets the defaults.
+    """
+    p = Path(model_dir)
+    if not p.is_dir():
+        return None
+    for cand in (p, p.parent):
+        cfg_path = cand / "kvdistill_config.yaml"
+        if cfg_path.exists():
+            import yaml
+
+            cfg = yaml.safe_load(cfg_path.read_text()) or {}
+            return {
+                "template": cfg.get("prompt_template") or DEFAULT_TEMPLATE,
+                # training falls back to the plain template when the tokenizer has no chat template
+                "chat_template": "auto" if cfg.get("use_chat_template") else "off",
+            }
+    return None
+
+
 def run_eval(
     model_path: str | Path,
     *,
@@ -421,10 +444,18 @@ def run_eval(
     """Load a model (Hub id, model dir or kvdistill run dir) and data, evaluate, write to `out`.
 
     `kwargs` go to `evaluate_model` (batch_size, max_new_tokens, template, chat_template, ...).
+    `template` / `chat_template` left out (or None) come from the run's training config when
+    `model_path` is a kvdistill run, else the defaults (plain template, chat template if any).
     """
     from kvdistill.models import load_model, load_tokenizer
 
     model_dir = resolve_model_dir(model_path)
+    trained = training_prompt_settings(model_dir) or {}
+    for key in ("template", "chat_template"):
+        if kwargs.get(key) is None:
+            kwargs.pop(key, None)
+            if key in trained:
+                kwargs[key] = trained[key]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(_tokenizer_dir(model_dir))
     model = load_model(model_dir, dtype=dtype, device=device)
@@ -471,13 +502,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch")
     p.add_argument("--max-new-tokens", type=int, default=256, help="generation budget per question")
     p.add_argument(
-        "--template", default=DEFAULT_TEMPLATE, help="prompt template with {question} (as in training)"
+        "--template",
+        default=None,
+        help="prompt template with {question}; default: the training template of a kvdistill run, else "
+        + repr(DEFAULT_TEMPLATE),
     )
     p.add_argument(
         "--chat-template",
         choices=CHAT_MODES,
-        default="auto",
-        help="use the tokenizer's chat template: auto (if it has one), on, off",
+        default=None,
+        help="use the tokenizer's chat template: auto (if it has one), on, off; default: as the kvdistill "
+        "run was trained, else auto",
     )
     p.add_argument(
         "--stop",

@@ -69,12 +69,12 @@ class KVDistillConfig(TrainingArguments):
 
     # ---- models and data
     student: str | None = _f(None, "Student model: Hub id or local directory.")
-    teachers: str | list | None = _f([], "List of teachers: {path, name, weight, dtype, quantization, tokenizer, "
+    teachers: None | str | list = _f([], "List of teachers: {path, name, weight, dtype, quantization, tokenizer, "
                            "rationale_field, layer_map, projector, mlp_ratio, ...}.")
     student_dtype: str = _f("auto", "Student weights dtype (auto|fp32|bf16|fp16); use bf16/fp16 flags for AMP.")
     data: str = _f("synthetic", "Training data: Hub id, local jsonl/json/parquet file or directory, or 'synthetic'.")
     data_split: str = _f("train", "Split to train on.")
-    field_map: str | dict | None = _f(None, "Column mapping {question: col, answer: col} or a name (gsm8k, svamp, math).")
+    field_map: None | str | dict = _f(None, "Column mapping {question: col, answer: col} or a name (gsm8k, svamp, math).")
     max_samples: int | None = _f(None, "Use only the first N training records.")
     max_length: int = _f(512, "Maximum tokens per example (longer ones are cut, with a warning).")
     prompt_template: str = _f(DEFAULT_TEMPLATE, "Prompt template with {question}.")
@@ -100,7 +100,7 @@ class KVDistillConfig(TrainingArguments):
     mercator_beta: float = _f(0.0, "Mercator log-norm weight beta (0 or 0.01).")
     hybrid_weight: float = _f(0.8, "Mercator share in the hybrid loss.")
     normalize_target: bool = _f(False, "Layer-wise std normalisation of the teacher target (KaVa).")
-    segment_weights: str | dict | None = _f(None, "KV loss weight per segment {prompt: w, reasoning: w, answer: w}.")
+    segment_weights: None | str | dict = _f(None, "KV loss weight per segment {prompt: w, reasoning: w, answer: w}.")
     ce_weight: float = _f(1.0, "Weight of the student's LM loss.")
     allow_kv_only: bool = _f(False, "Allow ce_weight 0 (a KV-only loss can collapse to a trivial high cos-sim).")
     codi_weight: float = _f(0.0, "Weight of the CODI hidden-state loss at the answer marker.")
@@ -121,7 +121,7 @@ class KVDistillConfig(TrainingArguments):
     max_steps: int = _f(1000, "Optimizer steps.")
     logging_steps: float = _f(10, "Log every N steps.")
     save_steps: float = _f(200, "Checkpoint every N steps.")
-    report_to: str | list[str] | None = _f("none", "tensorboard / wandb / none.")
+    report_to: None | str | list[str] = _f("none", "tensorboard / wandb / none.")
     remove_unused_columns: bool = _f(False, "Must stay False: the collator needs the raw records.")
 
     def __post_init__(self) -> None:

@@ -100,7 +100,7 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
         skv = extract_kv(student, probe["input_ids"].to(cfg.device), probe["attention_mask"].to(cfg.device),
                          probe["segment_ids"].to(cfg.device), key_space=cfg.key_space)
         for t, s in zip(teachers, specs):
-            src = probe["teacher_inputs"].get(t.name, probe)
+            src = probe.get("teacher_inputs", {}).get(t.name, probe)
             tkv, _ = teacher_set.forward(t.name, *(src[k].to(cfg.device) for k in ("input_ids", "attention_mask",
                                                                                        "segment_ids")),
                                          key_space=cfg.key_space)
@@ -138,6 +138,14 @@ def run_training(cfg: KVDistillConfig) -> Path:
     result = trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
     out = Path(cfg.output_dir)
     trainer.save_model(str(out))
+    if cfg.world_size > 1:  # each rank leaves a fingerprint: DDP must keep them identical
+        (out / "ranks").mkdir(exist_ok=True)
+        # logged losses are gathered over ranks; `result.training_loss` is this rank's own average
+        last_logged_loss = [h["loss"] for h in trainer.state.log_history if "loss" in h][-1]
+        checksum = sum(float(p.double().sum()) for p in trainer.distill_model.parameters())
+        (out / "ranks" / f"rank{cfg.process_index}.json").write_text(
+            json.dumps({"logged_loss": last_logged_loss, "param_checksum": checksum})
+        )
     if trainer.is_world_process_zero():
         from kvdistill.train.curves import final_metrics, plot_training_curves
 

@@ -1,0 +1,244 @@
+"""`kvdistill profile`: shapes, time and memory of every alignment stage for a model pair.
+
+One batch goes through teacher KV extraction, the student forward, then each stage of a
+`KVAligner` (time -> layer -> head -> dim), the KV loss and the backward pass; a table shows each
+stage's output shape, wall time and peak memory (after one unmeasured warm-up pass of the aligner),
+followed by the aligner's parameter counts.
+
+Memory: on CUDA, `torch.cuda.max_memory_allocated` above the stage's starting point; on CPU,
+the peak of the bytes the PyTorch allocator handed out during the stage, read from
+`torch.profiler` memory events (`tracemalloc` cannot see tensor storage, which is allocated
+outside Python's allocator). CPU times include the profiler's small per-op overhead.
+
+Example:
+    kvdistill profile --teacher Qwen/Qwen2-1.5B --student Qwen/Qwen2.5-0.5B --mode structured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+MiB = 2**20
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tuple[Any, float, int]:
+    """Run `fn()` once: `(result, seconds, peak bytes allocated above the starting point)`.
+
+    CUDA: `max_memory_allocated`; CPU: the running sum of `torch.profiler` memory events.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        return out, seconds, max(0, torch.cuda.max_memory_allocated(device) - base)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        t0 = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - t0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        current += e.nbytes()
+        peak = max(peak, current)
+    return out, seconds, peak
+
+
+def _shape(x: Any) -> str:
+    if isinstance(x, Tensor):
+        return "x".join(str(s) for s in x.shape) if x.dim() else "scalar"
+    if isinstance(x, (tuple, list)) and x and isinstance(x[0], Tensor):
+        return " / ".join(_shape(t) for t in x)
+    return "-"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvdistill profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--teacher", required=True, help="teacher model: Hub id or local directory")
+    p.add_argument("--student", required=True, help="student model: Hub id or local directory")
+    p.add_argument("--mode", choices=("flat", "structured"), default="flat", help="head alignment mode")
+    p.add_argument("--projector", choices=("linear", "elastic"), default="linear", help="dim projector kind")
+    p.add_argument("--mlp-ratio", type=float, default=1.0, help="Elastic Bottleneck width ratio")
+    p.add_argument(
+        "--time-mode", choices=("segment", "global", "index"), default="segment", help="time alignment"
+    )
+    p.add_argument(
+        "--direction",
+        choices=("teacher_to_student", "student_to_teacher"),
+        default="teacher_to_student",
+        help="which side the projectors map",
+    )
+    p.add_argument("--layer-map", default=None, help="layer-map JSON (default: proportional)")
+    p.add_argument("--loss", default="mercator", help="KV loss for the loss/backward stages")
+    p.add_argument("--batch-size", type=int, default=2, help="examples in the batch")
+    p.add_argument("--max-length", type=int, default=128, help="token limit per example")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="GSM8K-format data (jsonl/json/parquet file, directory or Hub id); default: synthetic problems",
+    )
+    p.add_argument("--split", default="train", help="split of --data")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda if available)")
+    p.add_argument("--dtype", default="fp32", help="model dtype: fp32 | bf16 | fp16 | auto")
+    p.add_argument("--key-space", choices=("post_rope", "pre_rope"), default="post_rope", help="which keys")
+    p.add_argument("--seed", type=int, default=0, help="seed for synthetic data and projector init")
+    p.add_argument("--json", default=None, help="also write the table as JSON to this path")
+    return p
+
+
+def profile_pair(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the profile and return `{"stages": [...], "aligner": {...}, ...}` (also used by tests)."""
+    from kvdistill.align.aligner import KVAligner
+    from kvdistill.align.heads import flatten_heads, time_major
+    from kvdistill.align.layers import apply_layer_map, load_layer_map
+    from kvdistill.align.time import resample, time_index
+    from kvdistill.cache import extract_kv, forward_with_kv
+    from kvdistill.data import DistillCollator, TeacherView, load_records
+    from kvdistill.losses import aligned_kv_loss, build_kv_loss
+    from kvdistill.models import config_hash, load_model, load_tokenizer, num_layers
+    from kvdistill.synthetic import generate_problems
+
+    torch.manual_seed(args.seed)
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    s_tok, t_tok = load_tokenizer(args.student), load_tokenizer(args.teacher)
+    student = load_model(args.student, dtype=args.dtype, device=device)
+    teacher = load_model(args.teacher, dtype=args.dtype, device=device).eval()
+    if args.data:
+        records = load_records(args.data, split=args.split, limit=args.batch_size)
+    else:
+        records = generate_problems(args.batch_size, seed=args.seed)
+    # the teacher always reads the text through its own tokenizer (identical ids if shared)
+    collate = DistillCollator(s_tok, args.max_length, teachers={"teacher": TeacherView(t_tok)})
+    batch = collate(records)
+    s_in = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "segment_ids")}
+    t_in = {k: v.to(device) for k, v in batch["teacher_inputs"]["teacher"].items()}
+
+    rows: list[dict[str, Any]] = []
+
+    def stage(name: str, fn: Callable[[], Any], shape_of: Callable[[Any], Any] | None = None) -> Any:
+        out, seconds, peak = measure(fn, device)
+        rows.append(
+            {
+                "stage": name,
+                "shape": _shape(shape_of(out) if shape_of else out),
+                "ms": round(seconds * 1000, 3),
+                "peak_mib": round(peak / MiB, 3),
+            }
+        )
+        return out
+
+    tkv = stage(
+        "teacher KV (no_grad)",
+        lambda: extract_kv(teacher, **t_in, key_space=args.key_space),
+        lambda kv: kv.keys,
+    )
+    _, skv = stage(
+        "student forward + KV",
+        lambda: forward_with_kv(student, **s_in, key_space=args.key_space),
+        lambda o: o[1].keys,
+    )
+    layer_map = None
+    if args.layer_map:
+        layer_map = load_layer_map(
+            args.layer_map,
+            num_layers(student),
+            num_layers(teacher),
+            student_hash=config_hash(student),
+            teacher_hash=config_hash(teacher),
+        )
+    aligner = KVAligner(
+        mode=args.mode,
+        time_mode=args.time_mode,
+        layer_map=layer_map,
+        projector=args.projector,
+        mlp_ratio=args.mlp_ratio,
+        direction=args.direction,
+    )
+    stage("aligner setup (build params)", lambda: aligner.setup(tkv, skv))
+    loss_fn = build_kv_loss(args.loss)
+    with torch.no_grad():  # one unmeasured warm-up pass: first-call costs are not a stage's
+        aligned_kv_loss(loss_fn, aligner(tkv, skv))
+
+    # the stages one by one, as KVAligner.forward runs them
+    idx = stage(
+        "time: index",
+        lambda: time_index(
+            tkv.attention_mask, tkv.segment_ids, skv.attention_mask, skv.segment_ids, args.time_mode
+        ),
+        lambda i: i.lo,
+    )
+    t_k = stage("time: resample K+V", lambda: (resample(tkv.keys, idx, 3), resample(tkv.values, idx, 3)))
+    M = aligner.layer_map.index_select(0, aligner.layer_index)
+    t_l = stage("layer: einsum", lambda: tuple(apply_layer_map(M, x) for x in t_k))
+    t2s = args.direction == "teacher_to_student"
+    src = t_l if t2s else tuple(x.index_select(0, aligner.layer_index) for x in (skv.keys, skv.values))
+    if args.mode == "flat":
+        heads = stage("head: flatten", lambda: tuple(flatten_heads(x) for x in src))
+    else:
+        heads = stage(
+            "head: mix",
+            lambda: (aligner.k_mix(time_major(src[0]).float()), aligner.v_mix(time_major(src[1]).float())),
+        )
+    stage("dim: K+V projectors", lambda: (aligner.k_proj(heads[0].float()), aligner.v_proj(heads[1].float())))
+    aligned = stage(
+        "aligner forward (all)",
+        lambda: aligner(tkv, skv),
+        lambda a: (a.teacher_keys, a.student_keys),
+    )
+    loss, metrics = stage("loss (K+V)", lambda: aligned_kv_loss(loss_fn, aligned), lambda o: o[0])
+    stage("backward", lambda: loss.backward())
+    counts = aligner.param_counts()
+    return {
+        "teacher": str(args.teacher),
+        "student": str(args.student),
+        "device": str(device),
+        "teacher_kv": tkv.shape_summary(),
+        "student_kv": skv.shape_summary(),
+        "stages": rows,
+        "aligner": {"dims": aligner.dims, "params": counts, "summary": aligner.summary()},
+        "cos_sim": float(metrics["cos_sim"]),
+        "loss": float(loss.detach()),
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    header = f"{'stage':<30}{'output shape':<30}{'ms':>10}{'peak MiB':>12}"
+    lines = [header, "-" * len(header)]
+    lines += [f"{r['stage']:<30}{r['shape']:<30}{r['ms']:>10.2f}{r['peak_mib']:>12.2f}" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    report = profile_pair(args)
+    print(f"teacher {report['teacher']}: {report['teacher_kv']}")
+    print(f"student {report['student']}: {report['student_kv']}   device {report['device']}")
+    print(format_table(report["stages"]))
+    print(report["aligner"]["summary"])
+    print(f"aligner parameters: {report['aligner']['params']['total']:,}   initial cos-sim {report['cos_sim']:.3f}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0

@@ -1,0 +1,281 @@
+"""`kvdistill ablate`: variants, resumable runner, statistics and report (synthetic runs), and
+one end-to-end ablation on the tiny fixtures with the real trainer and evaluator."""
+
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from kvdistill.evaluate.ablate import (
+    BUILTIN_VARIANTS,
+    VARIANT_SETS,
+    AblationError,
+    load_ablation_config,
+    main,
+    resolve_variants,
+    run_ablation,
+)
+
+
+def test_builtin_variants_are_valid_train_overrides():
+    from kvdistill.train import config as tc
+
+    names = {f.name for f in fields(tc.KVDistillConfig)}
+    choices = {
+        "time_mode": tc.TIME_MODES,
+        "layer_map": tc.LAYER_MAPS,
+        "head_mode": tc.HEAD_MODES,
+        "projector": tc.PROJECTORS,
+        "kv_loss": tc.KV_LOSSES,
+    }
+    for name, (_, overrides) in BUILTIN_VARIANTS.items():
+        for key, value in overrides.items():
+            assert key in names, f"{name}: {key} is not a train config field"
+            if key in choices:
+                assert value in choices[key], f"{name}: {key}={value}"
+        if overrides.get("kv_loss") == "structural":
+            assert overrides["head_mode"] == "structured"
+    assert BUILTIN_VARIANTS["baseline"][1] == {"kv_weight": 0.0}
+    assert BUILTIN_VARIANTS["untrained_teacher"][1]["untrained_teacher_control"] is True
+    for members in VARIANT_SETS.values():
+        assert all(m in BUILTIN_VARIANTS for m in members)
+
+
+def test_resolve_variants():
+    vs = resolve_variants(
+        [
+            "core",
+            "kv",
+            {"name": "kv_w1", "base": "kv", "overrides": {"kv_weight": 1.0}},
+            {"name": "mine", "overrides": {"kv_weight": 0.3}, "label": "Mine"},
+        ]
+    )
+    names = [v.name for v in vs]
+    assert names == [*VARIANT_SETS["core"], "kv_w1", "mine"]  # duplicates keep the first
+    kv_w1 = vs[names.index("kv_w1")]
+    assert kv_w1.overrides == {**BUILTIN_VARIANTS["kv"][1], "kv_weight": 1.0}
+    assert vs[-1].label == "Mine" and vs[-1].overrides == {"kv_weight": 0.3}
+    assert [v.name for v in resolve_variants({"a": {"kv_weight": 0}, "b": None})] == ["a", "b"]
+    with pytest.raises(AblationError, match="unknown variant"):
+        resolve_variants(["nope"])
+    with pytest.raises(AblationError, match="directory name"):
+        resolve_variants([{"name": "a/b", "overrides": {}}])
+    with pytest.raises(AblationError, match="unknown keys"):
+        resolve_variants([{"name": "a", "overides": {}}])
+
+
+# ----------------------------------------------------------------------------- synthetic runs
+
+
+def _write_yaml(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+class FakeRuns:
+    """train_fn / eval_fn that write what the real ones do, with chosen accuracies."""
+
+    def __init__(self, acc: dict[str, float], n_items: int = 200):
+        self.acc, self.n_items = acc, n_items
+        self.trained: list[str] = []
+        self.evaluated: list[str] = []
+
+    def train(self, argv):
+        cfg = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+        out = Path(cfg["output_dir"])
+        self.trained.append(str(out))
+        kv = cfg.get("kv_weight", 0) > 0
+        rows = [
+            {"step": s, "loss": 2.0 / s, "ce": 2.0 / s, **({"cos_sim/t": 0.5 + 0.04 * s} if kv else {})}
+            for s in range(1, 11)
+        ]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        final = {"ce": 0.2, "kv_loss": 0.1 if kv else None, "cos_sim": 0.9 if kv else None}
+        (out / "train_summary.json").write_text(json.dumps({"final": final, "global_step": 10}))
+        return 0
+
+    def eval(self, model_dir, out_dir, settings):
+        self.evaluated.append(model_dir)
+        variant, seed = Path(model_dir).parent.name, int(Path(model_dir).name.split("_")[1])
+        rng = np.random.default_rng(seed)
+        correct = rng.random(self.n_items) < self.acc[variant]
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "items.jsonl").write_text(
+            "".join(json.dumps({"index": i, "correct": bool(c)}) + "\n" for i, c in enumerate(correct))
+        )
+        (out / "summary.json").write_text(
+            json.dumps(
+                {
+                    "accuracy": float(correct.mean()),
+                    "ci_low": 0.0,
+                    "ci_high": 1.0,
+                    "n": self.n_items,
+                    "perplexity": 3.0,
+                }
+            )
+        )
+
+
+def test_runner_report_and_resume_with_synthetic_runs(tmp_path):
+    base = _write_yaml(tmp_path / "train.yaml", {"student": "s", "kv_weight": 0.1, "max_steps": 99})
+    abl = _write_yaml(
+        tmp_path / "ablation.yaml",
+        {
+            "base_config": "train.yaml",  # relative to the ablation YAML
+            "out_dir": str(tmp_path / "out"),
+            "seeds": [0, 1, 2],
+            "variants": ["baseline", "kv", {"name": "same", "overrides": {"kv_weight": 0.0}}],
+            "overrides": {"max_steps": 10},
+            "eval": {"limit": 200},
+            "n_resamples": 2000,
+        },
+    )
+    cfg = load_ablation_config(abl)
+    assert cfg.base_config == str(base) and cfg.baseline == "baseline"
+    # same seed -> same item draws: `same` gets the identical per-item correctness as the baseline
+    fake = FakeRuns({"baseline": 0.3, "kv": 0.7, "same": 0.3})
+    report = run_ablation(cfg, train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    assert len(fake.trained) == len(fake.evaluated) == 9
+
+    out = tmp_path / "out"
+    train_cfg = yaml.safe_load((out / "runs" / "kv" / "seed_1" / "train_config.yaml").read_text())
+    assert train_cfg["max_steps"] == 10 and train_cfg["seed"] == 1 and train_cfg["student"] == "s"
+    assert train_cfg["time_mode"] == "global" and train_cfg["output_dir"].endswith("kv/seed_1")
+    assert (
+        yaml.safe_load((out / "runs" / "baseline" / "seed_0" / "train_config.yaml").read_text())["kv_weight"]
+        == 0
+    )
+
+    kv = report["variants"]["kv"]
+    assert kv["vs_baseline"]["ttest"]["p_value"] < 0.05
+    assert kv["vs_baseline"]["permutation_p"] < 0.05
+    assert kv["vs_baseline"]["items"] == 600
+    assert kv["cos_sim"]["mean"] == pytest.approx(0.9)
+    same = report["variants"]["same"]["vs_baseline"]
+    assert same["ttest"]["p_value"] == 1.0 and same["permutation_p"] == 1.0
+    assert "vs_baseline" not in report["variants"]["baseline"]
+
+    md = (out / "ablation.md").read_text()
+    assert "| +KV | 3 |" in md and "Baseline (SFT)" in md and "ablation_accuracy.png" in md
+    assert "Note:** only 3 seed(s)" in md
+    saved = json.loads((out / "ablation.json").read_text())  # strict JSON: no NaN
+    assert saved["variants"]["baseline"]["cos_sim"]["mean"] is None
+    for png in ("ablation_accuracy.png", "ablation_curves.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+    # re-run: everything finished, nothing trained or evaluated
+    fake2 = FakeRuns(fake.acc)
+    run_ablation(cfg, train_fn=fake2.train, eval_fn=fake2.eval, log=lambda s: None)
+    assert fake2.trained == [] and fake2.evaluated == []
+    # a run trained but not evaluated: only its evaluation is redone
+    (out / "runs" / "kv" / "seed_2" / "eval" / "summary.json").unlink()
+    run_ablation(cfg, train_fn=fake2.train, eval_fn=fake2.eval, log=lambda s: None)
+    assert fake2.trained == [] and fake2.evaluated == [str(out / "runs" / "kv" / "seed_2")]
+
+
+def test_failed_run_raises_or_is_reported(tmp_path):
+    _write_yaml(tmp_path / "train.yaml", {"student": "s"})
+    abl = _write_yaml(
+        tmp_path / "a.yaml",
+        {
+            "base_config": str(tmp_path / "train.yaml"),
+            "out_dir": str(tmp_path / "o"),
+            "seeds": [0],
+            "variants": ["baseline", "kv"],
+        },
+    )
+    fake = FakeRuns({"baseline": 0.3, "kv": 0.5})
+    with pytest.raises(RuntimeError, match="exited with code 2"):
+        run_ablation(
+            load_ablation_config(abl), train_fn=lambda argv: 2, eval_fn=fake.eval, log=lambda s: None
+        )
+    report = run_ablation(
+        load_ablation_config(abl, keep_going=True),
+        train_fn=lambda argv: fake.train(argv) if "kv/" in argv[1] else 2,
+        eval_fn=fake.eval,
+        log=lambda s: None,
+    )
+    assert len(report["failures"]) == 1 and "baseline seed 0" in report["failures"][0]
+    assert "Failed runs" in (tmp_path / "o" / "ablation.md").read_text()
+
+
+def test_config_errors(tmp_path):
+    _write_yaml(tmp_path / "train.yaml", {"student": "s"})
+    with pytest.raises(AblationError, match="unknown keys"):
+        load_ablation_config(_write_yaml(tmp_path / "a.yaml", {"base_config": "train.yaml", "sedes": [1]}))
+    with pytest.raises(AblationError, match="baseline"):
+        load_ablation_config(_write_yaml(tmp_path / "b.yaml", {"base_config": "train.yaml", "baseline": "x"}))
+    with pytest.raises(AblationError, match="not found"):
+        load_ablation_config(_write_yaml(tmp_path / "c.yaml", {"base_config": "nope.yaml"}))
+    with pytest.raises(AblationError, match="eval"):
+        load_ablation_config(
+            _write_yaml(tmp_path / "d.yaml", {"base_config": "train.yaml", "eval": {"lim": 1}})
+        )
+
+
+def test_list_variants_cli(capsys):
+    assert main(["--list-variants"]) == 0
+    out = capsys.readouterr().out
+    assert "untrained_teacher" in out and "set core" in out
+    with pytest.raises(SystemExit):
+        main([])
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_ablation_end_to_end_on_tiny_fixtures(tiny_world, tmp_path, capsys):
+    m = tiny_world.models
+    _write_yaml(
+        tmp_path / "train.yaml",
+        {
+            "student": str(m["student"]),
+            "teachers": [{"path": str(m["llama_teacher_alt_tok"])}],  # another tokenizer: T differs
+            "data": str(tiny_world.data_dir),
+            "max_length": 160,
+            "max_steps": 3,
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 1,
+            "learning_rate": 1e-3,
+            "kv_warmup_steps": 0,
+            "logging_steps": 1,
+            "save_steps": 1000,
+            "use_cpu": True,
+            "dataloader_num_workers": 0,
+            "disable_tqdm": True,
+            "report_to": "none",
+        },
+    )
+    abl = _write_yaml(
+        tmp_path / "ablation.yaml",
+        {
+            "base_config": "train.yaml",
+            "out_dir": str(tmp_path / "abl"),
+            "seeds": [0, 1],
+            "variants": ["baseline", "kv"],
+            "eval": {"limit": 6, "batch_size": 6, "max_new_tokens": 8},
+            "n_resamples": 500,
+        },
+    )
+    assert main(["--config", str(abl)]) == 0
+    out = tmp_path / "abl"
+    for variant in ("baseline", "kv"):
+        for seed in (0, 1):
+            rdir = out / "runs" / variant / f"seed_{seed}"
+            assert (rdir / "config.json").exists()  # the saved student
+            assert json.loads((rdir / "eval" / "summary.json").read_text())["n"] == 6
+    report = json.loads((out / "ablation.json").read_text())
+    assert report["variants"]["kv"]["cos_sim"]["n"] == 2  # the KV runs logged a cos-sim
+    assert report["variants"]["kv"]["vs_baseline"]["items"] == 12
+    assert "| +KV | 2 |" in (out / "ablation.md").read_text()
+    assert (out / "ablation_accuracy.png").exists() and (out / "ablation_curves.png").exists()
+    # re-run: every run is skipped
+    capsys.readouterr()
+    mtime = (out / "runs" / "kv" / "seed_1" / "eval" / "summary.json").stat().st_mtime
+    assert main(["--config", str(abl)]) == 0
+    assert capsys.readouterr().out.count("finished, skipped") == 4
+    assert (out / "runs" / "kv" / "seed_1" / "eval" / "summary.json").stat().st_mtime == mtime
