@@ -48,8 +48,12 @@ def make_inputs(cfg: dict[str, int], device: torch.device, seed: int = 0) -> tup
     g = torch.Generator().manual_seed(seed)
     L_t, H_t, D_t, L_s, H_s, D_s = (cfg[k] for k in ("L_t", "H_t", "D_t", "L_s", "H_s", "D_s"))
     B, T_s, T_t = cfg["B"], cfg["T_s"], cfg["T_t"]
-    t_rows = [_segment_row(T_t, (0.25, 0.65, 0.10), T_t if b % 2 == 0 else int(T_t * 0.85), False) for b in range(B)]
-    s_rows = [_segment_row(T_s, (0.22, 0.70, 0.08), T_s if b % 2 == 0 else int(T_s * 0.9), True) for b in range(B)]
+    t_rows = [
+        _segment_row(T_t, (0.25, 0.65, 0.10), T_t if b % 2 == 0 else int(T_t * 0.85), False) for b in range(B)
+    ]
+    s_rows = [
+        _segment_row(T_s, (0.22, 0.70, 0.08), T_s if b % 2 == 0 else int(T_s * 0.9), True) for b in range(B)
+    ]
     t_seg, s_seg = torch.tensor(t_rows), torch.tensor(s_rows)
 
     def kv(L: int, H: int, T: int, D: int) -> tuple[Tensor, Tensor]:
@@ -58,7 +62,9 @@ def make_inputs(cfg: dict[str, int], device: torch.device, seed: int = 0) -> tup
     tk, tv = kv(L_t, H_t, T_t, D_t)
     sk, sv = kv(L_s, H_s, T_s, D_s)
     teacher = KVCache(tk, tv, (t_seg >= 0).long().to(device), t_seg.to(device))
-    student = KVCache(sk.requires_grad_(), sv.requires_grad_(), (s_seg >= 0).long().to(device), s_seg.to(device))
+    student = KVCache(
+        sk.requires_grad_(), sv.requires_grad_(), (s_seg >= 0).long().to(device), s_seg.to(device)
+    )
     return teacher, student
 
 
@@ -68,7 +74,11 @@ def make_inputs(cfg: dict[str, int], device: torch.device, seed: int = 0) -> tup
 # nonzero(); one interpolation, one projection and one loss per (layer, sample, segment).
 # --------------------------------------------------------------------------------------------
 def naive_reference(
-    teacher: KVCache, student: KVCache, layer_src: list[int], w_k: tuple[Tensor, Tensor], w_v: tuple[Tensor, Tensor]
+    teacher: KVCache,
+    student: KVCache,
+    layer_src: list[int],
+    w_k: tuple[Tensor, Tensor],
+    w_v: tuple[Tensor, Tensor],
 ) -> Tensor:
     """Mercator (beta=0) K+V loss, mean over valid tokens and layers, computed with loops."""
     L_s, B = student.keys.shape[0], student.keys.shape[1]
@@ -82,8 +92,12 @@ def naive_reference(
         tl = layer_src[l]
         for b in range(B):  # loop over samples
             for seg in (PROMPT, REASONING, ANSWER):  # loop over segments
-                t_pos = ((teacher.attention_mask[b] > 0) & (teacher.segment_ids[b] == seg)).nonzero().flatten()
-                s_pos = ((student.attention_mask[b] > 0) & (student.segment_ids[b] == seg)).nonzero().flatten()
+                t_pos = (
+                    ((teacher.attention_mask[b] > 0) & (teacher.segment_ids[b] == seg)).nonzero().flatten()
+                )
+                s_pos = (
+                    ((student.attention_mask[b] > 0) & (student.segment_ids[b] == seg)).nonzero().flatten()
+                )
                 n_t, n_s = len(t_pos), len(s_pos)
                 if n_t == 0 or n_s == 0:
                     continue

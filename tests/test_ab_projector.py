@@ -120,7 +120,7 @@ def test_command_writes_table_json_and_pngs(tmp_path: Path, capsys) -> None:
     assert ab.main(["--steps", "5", "--seeds", "2", "--out", str(out)]) == 0
     md = (out / "ab_projector.md").read_text()
     assert "linear train MSE" in md and "elastic train MSE" in md
-    assert "19.67 / 5.37 (+72.7 %)" in md and "68.19 M" in md
+    assert "19.67 / 5.37 | +72.7 %" in md and "68.19 M" in md
     for s in ab.SCENARIOS:
         assert (out / f"curves_{s}.png").read_bytes()[:8] == PNG_MAGIC
     res = json.loads((out / "ab_projector.json").read_text())

@@ -34,7 +34,7 @@ def test_profile_runs_each_stage(tiny_world, tmp_path, capsys, teacher, mode):
     ]  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
-    for name in ("teacher KV", "time: resample", "layer: einsum", "dim: K+V projectors", "backward"):
+    for name in ("teacher KV", "time: index", "time+layer: gather", "head+dim", "loss (K+V)", "backward"):
         assert name in text
     report = json.loads(out.read_text())
     stages = {r["stage"]: r for r in report["stages"]}

@@ -570,27 +570,43 @@ def _one_line(run: dict[str, Any]) -> str:
 
 
 def results_table(result: dict[str, Any]) -> str:
-    """Markdown: one row per scenario x variant, linear vs elastic next to seed 000's numbers."""
+    """Markdown: one row per scenario x variant, linear vs elastic, eval-mode MSE and cos-sim."""
     n = len(result["settings"]["seeds"])
     lines = [
         f"| scenario | variant | linear train MSE | elastic train MSE | Δ train | linear held-out MSE "
         f"| elastic held-out MSE | Δ held-out | mean-predictor held-out MSE | held-out cos lin / ela "
-        f"| elastic wins (train, held-out; of {n}) | seed 000 lin / ela (Δ) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| elastic wins (train, held-out; of {n}) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
-        lin, el, c, sd = r["projectors"]["linear"], r["projectors"]["elastic"], r["comparison"], r["seed_000"]
-        seed = (
-            f"{sd['linear']:g} / {sd['elastic']:g} ({_pct(sd['improvement_pct'])})"
-            if r["variant"] == "base"
-            else ""
-        )
+        lin, el, c = r["projectors"]["linear"], r["projectors"]["elastic"], r["comparison"]
         lines.append(
             f"| {r['scenario']} | {r['variant']} | {_pm(lin['train_mse'])} | {_pm(el['train_mse'])} "
             f"| {_pct(c['train_mse']['improvement_pct'])} | {_pm(lin['test_mse'])} | {_pm(el['test_mse'])} "
             f"| {_pct(c['test_mse']['improvement_pct'])} | {_num(r['mean_predictor_test_mse']['mean'])} "
             f"| {lin['test_cos']['mean']:.3f} / {el['test_cos']['mean']:.3f} "
-            f"| {c['train_mse']['elastic_wins']}, {c['test_mse']['elastic_wins']} | {seed} |"
+            f"| {c['train_mse']['elastic_wins']}, {c['test_mse']['elastic_wins']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def seed_table(result: dict[str, Any]) -> str:
+    """Markdown: seed 000's own metric (lowest train-mode loss over the steps) next to its numbers."""
+    lines = [
+        "| scenario | variant | linear best train loss | elastic best train loss | Δ | seed 000 linear / elastic "
+        "| seed Δ | same winner |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["runs"]:
+        if r["variant"] not in ("base", "prototype"):
+            continue
+        lin, el, sd = r["projectors"]["linear"], r["projectors"]["elastic"], r["seed_000"]
+        ours = improvement_pct(lin["train_loss_best"]["mean"], el["train_loss_best"]["mean"])
+        same = (ours > 0) == (sd["improvement_pct"] > 0)
+        lines.append(
+            f"| {r['scenario']} | {r['variant']} | {_pm(lin['train_loss_best'])} | {_pm(el['train_loss_best'])} "
+            f"| {_pct(ours)} | {sd['linear']:g} / {sd['elastic']:g} | {_pct(sd['improvement_pct'])} "
+            f"| {'yes' if same else '**no**'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -644,6 +660,8 @@ def render_markdown(result: dict[str, Any], params: list[dict], plots: list[str]
         f"Data (seed {st['seeds'][0]}): {stats}.\n",
         "## Results\n",
         results_table(result),
+        "\n## Against seed 000 (its metric: lowest train-mode loss over the steps)\n",
+        seed_table(result),
         "\n## Settings per row\n",
         config_table(result),
         "\n## Parameter check (seed 001), built on the meta device\n",
@@ -780,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     params = [] if args.no_param_check else param_check()
     print()
     print(results_table(result))
+    print(seed_table(result))
     if params:
         print(params_table(params))
         print(

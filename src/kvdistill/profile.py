@@ -1,7 +1,8 @@
 """`kvdistill profile`: shapes, time and memory of every alignment stage for a model pair.
 
 One batch goes through teacher KV extraction, the student forward, then each stage of a
-`KVAligner` (time -> layer -> head -> dim), the KV loss and the backward pass; a table shows each
+`KVAligner` (time + layer, then head + dim, as `KVAligner.forward` runs them), the KV loss and
+the backward pass; a table shows each
 stage's output shape, wall time and peak memory (after one unmeasured warm-up pass of the aligner),
 followed by the aligner's parameter counts.
 
@@ -108,9 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 def profile_pair(args: argparse.Namespace) -> dict[str, Any]:
     """Run the profile and return `{"stages": [...], "aligner": {...}, ...}` (also used by tests)."""
     from kvdistill.align.aligner import KVAligner
-    from kvdistill.align.heads import flatten_heads, time_major
-    from kvdistill.align.layers import apply_layer_map, load_layer_map
-    from kvdistill.align.time import resample, time_index
+    from kvdistill.align.layers import load_layer_map
     from kvdistill.cache import extract_kv, forward_with_kv
     from kvdistill.data import DistillCollator, TeacherView, load_records
     from kvdistill.losses import aligned_kv_loss, build_kv_loss
@@ -182,26 +181,21 @@ def profile_pair(args: argparse.Namespace) -> dict[str, Any]:
         aligned_kv_loss(loss_fn, aligner(tkv, skv))
 
     # the stages one by one, as KVAligner.forward runs them
-    idx = stage(
-        "time: index",
-        lambda: time_index(
-            tkv.attention_mask, tkv.segment_ids, skv.attention_mask, skv.segment_ids, args.time_mode
-        ),
-        lambda i: i.lo,
+    idx = stage("time: index", lambda: aligner.time_index(tkv, skv), lambda i: i.lo)
+    soft = aligner._src_layers is None  # a soft (CKA) map needs an einsum; a one-hot one is a gather
+    t_tl = stage(
+        "time+layer: gather" + (" + einsum" if soft else ""),
+        lambda: (aligner.teacher_time_layer(tkv.keys, idx), aligner.teacher_time_layer(tkv.values, idx)),
     )
-    t_k = stage("time: resample K+V", lambda: (resample(tkv.keys, idx, 3), resample(tkv.values, idx, 3)))
-    M = aligner.layer_map.index_select(0, aligner.layer_index)
-    t_l = stage("layer: einsum", lambda: tuple(apply_layer_map(M, x) for x in t_k))
-    t2s = args.direction == "teacher_to_student"
-    src = t_l if t2s else tuple(x.index_select(0, aligner.layer_index) for x in (skv.keys, skv.values))
-    if args.mode == "flat":
-        heads = stage("head: flatten", lambda: tuple(flatten_heads(x) for x in src))
-    else:
-        heads = stage(
-            "head: mix",
-            lambda: (aligner.k_mix(time_major(src[0]).float()), aligner.v_mix(time_major(src[1]).float())),
-        )
-    stage("dim: K+V projectors", lambda: (aligner.k_proj(heads[0].float()), aligner.v_proj(heads[1].float())))
+    s_l = stage(
+        "student: layers, time-major",
+        lambda: (aligner.student_layers(skv.keys), aligner.student_layers(skv.values)),
+    )
+    src = t_tl if args.direction == "teacher_to_student" else s_l
+    stage(
+        "head+dim: " + ("flatten, projectors" if args.mode == "flat" else "mix heads, projectors"),
+        lambda: (aligner.head_dim(src[0], "key"), aligner.head_dim(src[1], "value")),
+    )
     aligned = stage(
         "aligner forward (all)",
         lambda: aligner(tkv, skv),
@@ -224,9 +218,12 @@ def profile_pair(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = f"{'stage':<30}{'output shape':<30}{'ms':>10}{'peak MiB':>12}"
+    w_stage = max(len("stage"), *(len(r["stage"]) for r in rows)) + 2
+    w_shape = max(len("output shape"), *(len(r["shape"]) for r in rows)) + 2
+    header = f"{'stage':<{w_stage}}{'output shape':<{w_shape}}{'ms':>10}{'peak MiB':>12}"
     lines = [header, "-" * len(header)]
-    lines += [f"{r['stage']:<30}{r['shape']:<30}{r['ms']:>10.2f}{r['peak_mib']:>12.2f}" for r in rows]
+    for r in rows:
+        lines.append(f"{r['stage']:<{w_stage}}{r['shape']:<{w_shape}}{r['ms']:>10.2f}{r['peak_mib']:>12.2f}")
     return "\n".join(lines)
 
 
@@ -237,7 +234,9 @@ def main(argv: list[str]) -> int:
     print(f"student {report['student']}: {report['student_kv']}   device {report['device']}")
     print(format_table(report["stages"]))
     print(report["aligner"]["summary"])
-    print(f"aligner parameters: {report['aligner']['params']['total']:,}   initial cos-sim {report['cos_sim']:.3f}")
+    print(
+        f"aligner parameters: {report['aligner']['params']['total']:,}   initial cos-sim {report['cos_sim']:.3f}"
+    )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,9 @@ def load_teacher(spec: Any, student_tokenizer: Any, *, untrained: bool = False, 
         from transformers import AutoModelForCausalLM
 
         with torch.random.fork_rng():
-            torch.manual_seed(seed)
+            # a seed per teacher: two controls of one architecture differ, and a control never
+            # replays the very init a fixture/teacher was made with under the run's seed
+            torch.manual_seed(seed + zlib.crc32(str(spec.name).encode()))
             model = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
     if spec.tokenizer == "student":
         tokenizer = student_tokenizer

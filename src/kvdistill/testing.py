@@ -28,10 +28,18 @@ from kvdistill.synthetic import make_splits, write_jsonl
 SPECIAL = {"eos_token": "</s>", "pad_token": "<pad>", "bos_token": "<s>", "unk_token": "<unk>"}
 
 
-def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on `texts`; different sizes give different token counts."""
+def build_tokenizer(texts: list[str], vocab_size: int, split_digits: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `texts`; different sizes give different token counts.
+
+    `split_digits=True` keeps every digit its own token (as Llama/Qwen tokenizers do), which makes
+    arithmetic learnable for tiny models while words still merge into short sequences.
+    """
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits else byte_level
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -135,4 +135,23 @@ def test_summary_and_repr_report_parameters():
     assert counts["total"] == 2 * (16 * 4 + 4)
     text = aligner.summary()
     assert "136" in text and "3 of 3 student layers" in text
-    assert "teacher_layers=4" in repr(aligner)
+    assert "teacher L=4 H=2 D=8 -> student L=3 H=1 D=4" in repr(aligner)
+
+
+@pytest.mark.parametrize(
+    "M",
+    [
+        torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.25, 0.75]]),  # soft (CKA top-k): einsum path
+        torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]),  # one-hot: folded into the time gather
+        torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]),  # last_k: one distilled layer
+    ],
+)
+def test_layer_maps_match_einsum_reference(M):
+    teacher, student = _cache(3, 2, 5, 4), _cache(2, 2, 5, 4)
+    aligner = KVAligner(mode="structured", time_mode="index", init="identity", layer_map=M)
+    out = aligner(teacher, student)
+    rows = (M.sum(1) > 0).nonzero().flatten()
+    ref = torch.einsum("st,tbhkd->sbkhd", M[rows], teacher.keys)  # [L_m, B, T, H, D]
+    torch.testing.assert_close(out.teacher_keys, ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.student_keys, student.keys[rows].transpose(2, 3))
+    assert out.student_layers.tolist() == rows.tolist()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdistill.align.time import resample, time_index
+from kvdistill.align.time import resample, resample_kv, time_index
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING
 
 
@@ -107,3 +107,13 @@ def test_resample_hidden_states_matches_kv_layout_and_keeps_grad():
     torch.testing.assert_close(out_kv[:, :, 0], out_h)
     out_h.sum().backward()
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+
+
+def test_resample_kv_is_time_major_resample_with_layer_pick():
+    t_mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1]])
+    s_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    idx = time_index(t_mask, None, s_mask, None, mode="global")
+    x = torch.randn(4, 2, 3, 7, 5)  # [L, B, H, T, D]
+    ref = resample(x, idx, time_dim=3).transpose(2, 3)  # [L, B, T_s, H, D]
+    torch.testing.assert_close(resample_kv(x, idx), ref)
+    torch.testing.assert_close(resample_kv(x, idx, torch.tensor([3, 0, 0])), ref[[3, 0, 0]])

@@ -234,7 +234,7 @@ def test_ablation_end_to_end_on_tiny_fixtures(tiny_world, tmp_path, capsys):
         tmp_path / "train.yaml",
         {
             "student": str(m["student"]),
-            "teachers": [{"path": str(m["llama_teacher_alt_tok"])}],  # another tokenizer: T differs
+            "teachers": [{"path": str(m["qwen2_teacher"])}],
             "data": str(tiny_world.data_dir),
             "max_length": 160,
             "max_steps": 3,

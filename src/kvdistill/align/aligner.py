@@ -2,12 +2,15 @@
 
 ```
 teacher KVCache [L_t, B, H_t, T_t, D_t]
-  -> time   resample onto the student's tokens           [L_t, B, H_t, T_s, D_t]
-  -> layer  M [L_s, L_t], one einsum (mapped rows only)  [L_m, B, H_t, T_s, D_t]
+  -> time   resample onto the student's tokens           [L_t, B, T_s, H_t, D_t]
+  -> layer  M [L_s, L_t], one einsum (mapped rows only)  [L_m, B, T_s, H_t, D_t]
   -> head   flat: [L_m, B, T_s, H_t*D_t]   structured: mix H_t -> H_s, [L_m, B, T_s, H_s, D_t]
   -> dim    K and V projectors             flat: [L_m, B, T_s, H_s*D_s]   structured: [L_m, B, T_s, H_s, D_s]
 ```
 `L_m` = student layers with a non-zero row in the layer map (all of them unless `last_k`).
+Time and layer alignment are linear maps on different axes, so they commute: the time gather
+writes straight into the time-major layout (flattening heads is then a view), and a one-hot layer
+map (proportional, last_k) is folded into that same gather instead of a dense einsum.
 With `direction="student_to_teacher"` the head and dim stages run on the student instead, mapping
 it into the teacher's space (DistillKit's choice); time and layer alignment still bring the teacher
 to the student's tokens and layers.
@@ -28,10 +31,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from kvdistill.align.heads import HeadMixer, HeadwiseProjector, flatten_heads, time_major
+from kvdistill.align.heads import HeadMixer, HeadwiseProjector, time_major
 from kvdistill.align.layers import apply_layer_map, mapped_rows, proportional_map, validate_layer_map
 from kvdistill.align.projectors import PROJECTOR_KINDS, build_projector, param_count
-from kvdistill.align.time import TIME_MODES, resample, time_index
+from kvdistill.align.time import TIME_MODES, TimeIndex, resample_kv, time_index
 from kvdistill.cache import KVCache
 
 ALIGNER_FORMAT = "kvdistill.aligner/v1"
@@ -145,6 +148,8 @@ class KVAligner(nn.Module):
         self._dims: dict[str, int] = {}
         self.register_buffer("layer_map", None if layer_map is None else validate_layer_map(layer_map))
         self.register_buffer("layer_index", None, persistent=False)
+        self.register_buffer("_src_layers", None, persistent=False)  # one-hot map: teacher layer per row
+        self._mapped: Tensor | None = None  # soft map: the mapped rows of M
         self.k_mix: nn.Module | None = None
         self.v_mix: nn.Module | None = None
         self.k_proj: nn.Module | None = None
@@ -231,6 +236,10 @@ class KVAligner(nn.Module):
             )
         self.layer_map = M
         self.layer_index = rows
+        mapped = M.index_select(0, rows)  # [L_m, L_t]
+        one_hot = bool(((mapped == 0) | (mapped == 1)).all())
+        self._mapped = None if one_hot else mapped
+        self.register_buffer("_src_layers", mapped.argmax(1) if one_hot else None, persistent=False)
         self._dims = d
         if device is not None:
             self.to(device=device)
@@ -260,47 +269,59 @@ class KVAligner(nn.Module):
             raise ValueError(
                 f"teacher batch size {teacher.keys.shape[1]} != student batch size {student.keys.shape[1]}"
             )
-        idx = time_index(
+        idx = self.time_index(teacher, student)
+        t_k, t_v = self.teacher_time_layer(teacher.keys, idx), self.teacher_time_layer(teacher.values, idx)
+        s_k, s_v = self.student_layers(student.keys), self.student_layers(student.values)
+        if self.direction == "teacher_to_student":
+            t_k, t_v = self.head_dim(t_k, "key"), self.head_dim(t_v, "value")
+            s_k, s_v = self._layout(s_k), self._layout(s_v)
+        else:
+            s_k, s_v = self.head_dim(s_k, "key"), self.head_dim(s_v, "value")
+            t_k, t_v = self._layout(t_k), self._layout(t_v)
+        mask = student.attention_mask.bool() & idx.valid  # [B, T_s]
+        return AlignedKV(s_k, s_v, t_k, t_v, mask, student.segment_ids, self.layer_index)
+
+    # the stages, also called one by one by `kvdistill profile`
+    def time_index(self, teacher: KVCache, student: KVCache) -> TimeIndex:
+        """Where each student token reads the teacher (`TimeIndex`, fields `[B, T_s]`)."""
+        return time_index(
             teacher.attention_mask,
             teacher.segment_ids,
             student.attention_mask,
             student.segment_ids,
             self.config["time_mode"],
         )
-        rows = self.layer_index.to(student.keys.device)
-        M = self.layer_map.index_select(0, rows)  # [L_m, L_t]
-        all_rows = len(rows) == self._dims["student_layers"]
 
-        def teacher_side(x: Tensor) -> Tensor:
-            x = resample(x.detach().to(student.keys.device), idx, time_dim=3)  # [L_t, B, H_t, T_s, D_t]
-            return apply_layer_map(M, x)  # [L_m, B, H_t, T_s, D_t]
+    def teacher_time_layer(self, x: Tensor, idx: TimeIndex) -> Tensor:
+        """Time + layer alignment of teacher keys or values: `[L_t, B, H_t, T_t, D_t] -> [L_m, B, T_s, H_t, D_t]`.
 
-        def student_side(x: Tensor) -> Tensor:
-            return x if all_rows else x.index_select(0, rows)  # [L_m, B, H_s, T_s, D_s]
+        Both are linear maps on different axes and commute: one gather writes straight into the
+        time-major layout; a one-hot layer map is folded into that gather, a soft one is an einsum.
+        """
+        x = x.detach().to(self.layer_map.device)
+        if self._src_layers is not None:
+            return resample_kv(x, idx, self._src_layers)  # [L_m, B, T_s, H_t, D_t]
+        x = resample_kv(x, idx)  # [L_t, B, T_s, H_t, D_t]
+        return apply_layer_map(self._mapped, x)  # [L_m, B, T_s, H_t, D_t]
 
-        t_k, t_v = teacher_side(teacher.keys), teacher_side(teacher.values)
-        s_k, s_v = student_side(student.keys), student_side(student.values)
-        if self.direction == "teacher_to_student":
-            t_k, t_v = (
-                self._project(t_k, self.k_mix, self.k_proj),
-                self._project(t_v, self.v_mix, self.v_proj),
-            )
-            s_k, s_v = self._layout(s_k), self._layout(s_v)
-        else:
-            s_k, s_v = (
-                self._project(s_k, self.k_mix, self.k_proj),
-                self._project(s_v, self.v_mix, self.v_proj),
-            )
-            t_k, t_v = self._layout(t_k), self._layout(t_v)
-        mask = student.attention_mask.bool() & idx.valid  # [B, T_s]
-        return AlignedKV(s_k, s_v, t_k, t_v, mask, student.segment_ids, rows)
+    def student_layers(self, x: Tensor) -> Tensor:
+        """The distilled student layers, time-major: `[L_s, B, H_s, T_s, D_s] -> [L_m, B, T_s, H_s, D_s]`."""
+        if len(self.layer_index) != x.shape[0]:
+            x = x.index_select(0, self.layer_index.to(x.device))
+        return time_major(x)
+
+    def head_dim(self, x: Tensor, which: str) -> Tensor:
+        """Head + dim alignment of the projected side (`which` = "key" | "value"), time-major input."""
+        if which == "key":
+            return self._project(x, self.k_mix, self.k_proj)
+        return self._project(x, self.v_mix, self.v_proj)
 
     def _layout(self, x: Tensor) -> Tensor:
-        """`[L, B, H, T, D]` -> the loss layout, no parameters."""
-        return flatten_heads(x) if self.mode == "flat" else time_major(x)
+        """Time-major `[L, B, T, H, D]` -> the loss layout (flat: `[L, B, T, H*D]`), no parameters."""
+        return x.flatten(3) if self.mode == "flat" else x
 
     def _project(self, x: Tensor, mix: nn.Module | None, proj: nn.Module | None) -> Tensor:
-        """`[L, B, H_in, T, D_in]` -> head + dim alignment -> loss layout in the target space."""
+        """Time-major `[L, B, T, H_in, D_in]` -> head + dim alignment -> loss layout in the target space."""
         x = self._layout(x)  # [L, B, T, H*D] or [L, B, T, H, D]
         if proj is not None:
             x = x.to(self._param_dtype())
@@ -393,8 +414,14 @@ class KVAligner(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        dims = ", ".join(f"{k}={v}" for k, v in self._dims.items()) if self.built else "not built"
-        return f"mode={c['mode']}, direction={c['direction']}, time_mode={c['time_mode']}, {dims}"
+        text = f"mode={c['mode']}, direction={c['direction']}, time_mode={c['time_mode']}"
+        if not self.built:
+            return text + ", not built"
+        d = self._dims
+        return (
+            f"{text},\nteacher L={d['teacher_layers']} H={d['teacher_heads']} D={d['teacher_key_dim']}"
+            f" -> student L={d['student_layers']} H={d['student_heads']} D={d['student_key_dim']}"
+        )
 
 
 def _paths(path: Path) -> tuple[Path, Path]:

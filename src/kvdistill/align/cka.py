@@ -413,8 +413,3 @@ def topk_layer_map(
     M = torch.zeros(L_s, L_t, dtype=torch.float64)
     M.scatter_(1, chosen, beta)
     return M.float()
-
-
-def layer_pairs(matrix: Tensor) -> list[tuple[int, int]]:
-    """`(student, teacher)` index pairs with a non-zero weight, row by row."""
-    return [(int(s), int(t)) for s, t in matrix.nonzero().tolist()]

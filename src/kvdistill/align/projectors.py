@@ -201,7 +201,7 @@ class ElasticBottleneck(nn.Module):
         return _identity_skip(x, self.d_out) + y if self.residual else y
 
     def extra_repr(self) -> str:
-        return f"residual={self.residual}"
+        return f"{self.d_in} -> {self.d_hidden} -> {self.d_out}, residual={self.residual}"
 
 
 def build_projector(

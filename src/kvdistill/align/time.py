@@ -195,3 +195,33 @@ def resample(x: Tensor, index: TimeIndex, time_dim: int, batch_dim: int = 1) -> 
         # in place when no graph is recorded: one buffer less (teacher KV is the big tensor here)
         out = out.lerp_(x_hi, w) if not torch.is_grad_enabled() or not x.requires_grad else out.lerp(x_hi, w)
     return out.movedim((0, 1), (batch_dim, time_dim))
+
+
+def resample_kv(x: Tensor, index: TimeIndex, layers: Tensor | None = None) -> Tensor:
+    """`resample` for a KV stack, returning the time-major layout and optionally picking layers.
+
+    One gather builds the result directly in the layout the head stage wants, so flattening heads
+    afterwards is a free view and no intermediate copy of the (large) teacher cache is made.
+
+    Args:
+        x: `[L, B, H, T_t, D]` keys or values.
+        index: from `time_index`, fields `[B, T_s]`.
+        layers: optional `[L']` layer indices to read (a one-hot layer map folded into the gather).
+
+    Returns:
+        `[L', B, T_s, H, D]` (`L' = L` without `layers`).
+    """
+    L, B, H = x.shape[:3]
+    dev = x.device
+    li = (torch.arange(L, device=dev) if layers is None else layers.to(dev)).view(
+        -1, 1, 1, 1
+    )  # [L', 1, 1, 1]
+    bi = torch.arange(B, device=dev).view(1, B, 1, 1)
+    hi = torch.arange(H, device=dev).view(1, 1, 1, H)
+    lo = index.lo.to(dev).view(1, B, -1, 1)  # [1, B, T_s, 1]
+    out = x[li, bi, hi, lo]  # [L', B, T_s, H, D]
+    if index.exact:
+        return out
+    w = index.lam.to(device=dev, dtype=x.dtype).view(1, B, -1, 1, 1)
+    x_hi = x[li, bi, hi, index.hi.to(dev).view(1, B, -1, 1)]  # [L', B, T_s, H, D]
+    return out.lerp_(x_hi, w) if not torch.is_grad_enabled() or not x.requires_grad else out.lerp(x_hi, w)

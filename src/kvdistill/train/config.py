@@ -171,6 +171,10 @@ class KVDistillConfig(TrainingArguments):
         if (self.kv_weight > 0 or self.codi_weight > 0 or self.logit_kd_weight > 0) and not self.teacher_configs:
             raise ConfigError("kv_weight/codi_weight/logit_kd_weight > 0 need at least one teacher in `teachers` "
                               "(for SFT only, set kv_weight: 0)")
+        if (self.activation_checkpointing or self.gradient_checkpointing) and self.kv_weight > 0:
+            raise ConfigError("gradient (activation) checkpointing makes transformers drop the student's KV cache in "
+                              "training, so the KV loss has nothing to compare; set gradient_checkpointing: false "
+                              "(or kv_weight: 0); see docs/training.md")
         if self.kv_loss == "structural" and self.head_mode != "structured":
             raise ConfigError("kv_loss: structural compares heads; it needs head_mode: structured")
         if self.fusion == "kv_mean" and self.direction != "teacher_to_student":

@@ -97,8 +97,14 @@ class KVDistillModel(nn.Module):
     def config(self):  # Trainer and accelerate read model.config
         return self.student.config
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        self.student.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs) -> None:
+        self.student.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None, **kwargs) -> None:
+        # transformers >= 5 calls this (with every_n_layers, offload) instead of gradient_checkpointing_enable
+        self.student.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=activation_checkpointing_kwargs, **kwargs
+        )
 
     def kv_mask(self, segment_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """`[B, T]` 1 where the KV loss applies: real tokens in the chosen segments."""
@@ -120,10 +126,16 @@ class KVDistillModel(nn.Module):
     ) -> dict:
         w = self.weights
         need_kv = kv_scale > 0 and len(self.aligners) > 0
-        out, skv = forward_with_kv(
-            self.student, input_ids, attention_mask, segment_ids,
-            key_space=self.key_space, output_hidden_states=w.codi > 0,
-        )
+        if need_kv:
+            out, skv = forward_with_kv(
+                self.student, input_ids, attention_mask, segment_ids,
+                key_space=self.key_space, output_hidden_states=w.codi > 0,
+            )
+            hidden = skv.hidden_states
+        else:  # no KV term, no cache: this path also works under activation checkpointing (which drops it)
+            out = self.student(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                               output_hidden_states=w.codi > 0)
+            hidden = torch.stack(out.hidden_states) if w.codi > 0 else None  # [L+1, B, T, d]
         ce_sum = token_ce_sum(out.logits, labels)
         n_ce_local = (labels[:, 1:] != -100).sum()
         n_ce = num_ce_tokens if num_ce_tokens is not None else n_ce_local.clamp(min=1)
@@ -139,7 +151,7 @@ class KVDistillModel(nn.Module):
             loss = loss + kv_scale * kv_sum / n_kv
             metrics["kv_loss"] = (kv_sum / base.sum().clamp(min=1)).detach()
         if w.codi > 0:
-            codi = self._codi(names, teacher_kvs, skv, sample_w)
+            codi = self._codi(names, teacher_kvs, hidden, segment_ids, sample_w)
             loss = loss + w.codi * codi
             metrics["codi"] = codi.detach()
         if w.logit_kd > 0 and teacher_logits:
@@ -179,12 +191,12 @@ class KVDistillModel(nn.Module):
         for layer, c in enumerate(m["cos_sim_per_layer"].tolist()):
             metrics[f"cos_layer/{name}/{layer}"] = c
 
-    def _codi(self, names, teacher_kvs, skv, sample_w) -> Tensor:
+    def _codi(self, names, teacher_kvs, hidden, segment_ids, sample_w) -> Tensor:
         """CODI: smooth-L1 between the student's last hidden state at the answer marker and the
         projected teacher's, scaled by the target's std (as in the CODI paper)."""
-        pos_s, has_s = answer_position(skv.segment_ids)
+        pos_s, has_s = answer_position(segment_ids)
         b = torch.arange(pos_s.shape[0], device=pos_s.device)
-        h_s = skv.hidden_states[-1][b, pos_s].float()  # [B, d_s]
+        h_s = hidden[-1][b, pos_s].float()  # [B, d_s]
         total = h_s.new_zeros(())
         for i, n in enumerate(names):
             tkv = teacher_kvs[n]

@@ -1,0 +1,423 @@
+"""Properties of `KVDistillModel`'s loss, and every training option running end to end.
+
+The loss is checked by properties, not by a reference number: gradient accumulation with global
+token counts equals one big batch, masked tokens never matter, gradients reach exactly the
+trained modules. The option tests run 2 optimizer steps through `kvdistill train`'s `main`.
+"""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvdistill.cache import PAD
+from kvdistill.models import ModelLoadError
+from kvdistill.train.cli import main as train_main
+from kvdistill.train.config import ConfigError, parse_config
+from kvdistill.train.model import LossWeights, token_ce_sum
+from kvdistill.train.run import build_trainer
+
+KEYS = ("input_ids", "attention_mask", "labels", "segment_ids", "index")
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+def _teacher_kvs(trainer, batch: dict) -> dict:
+    kvs = {}
+    for t in trainer.teachers:
+        src = batch.get("teacher_inputs", {}).get(t.name, batch)
+        kvs[t.name], _ = trainer.teachers.forward(
+            t.name, src["input_ids"], src["attention_mask"], src["segment_ids"]
+        )
+    return kvs
+
+
+def _call(trainer, batch: dict, counts=None, kv_scale: float = 1.0) -> dict:
+    """The wrapped model's forward on a collated batch, teachers included (what compute_loss does)."""
+    return trainer.distill_model(
+        **{k: batch[k] for k in KEYS},
+        teacher_kvs=_teacher_kvs(trainer, batch),
+        kv_scale=kv_scale,
+        num_ce_tokens=None if counts is None else counts[0],
+        num_kv_tokens=None if counts is None else counts[1],
+    )
+
+
+def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _pad_right(batch: dict, extra: int, pad_id: int) -> dict:
+    """The same batch with `extra` more padding columns on the right (student and teacher inputs)."""
+    fill = {"input_ids": pad_id, "attention_mask": 0, "labels": -100, "segment_ids": PAD}
+
+    def pad(d: dict) -> dict:
+        out = dict(d)
+        for k, v in fill.items():
+            if k in d:
+                out[k] = torch.cat([d[k], torch.full((d[k].shape[0], extra), v, dtype=d[k].dtype)], 1)
+        return out
+
+    padded = pad(batch)
+    if "teacher_inputs" in batch:
+        padded["teacher_inputs"] = {n: pad(t) for n, t in batch["teacher_inputs"].items()}
+    return padded
+
+
+@pytest.fixture(scope="module")
+def two_teachers(tiny_world, tmp_path_factory):
+    """A wired trainer with two teachers (one with another tokenizer), KV loss at full weight."""
+    m = tiny_world.models
+    args = {
+        "student": m["student"],
+        "data": tiny_world.data_dir,
+        "max_samples": 32,
+        "teachers": f"[{{path: {m['qwen2_teacher']}}}, {{path: {m['llama_teacher_alt_tok']}, weight: 0.5}}]",
+        "output_dir": tmp_path_factory.mktemp("loss_math") / "run",
+        "max_length": 160,
+        "kv_weight": 1,
+        "kv_warmup_steps": 0,
+        "use_cpu": "true",
+        "report_to": "none",
+    }
+    argv = [x for k, v in args.items() for x in (f"--{k}", str(v))]
+    return build_trainer(parse_config(argv))
+
+
+def _uneven_halves(trainer) -> tuple[list[dict], list[dict]]:
+    """Two shortest and two longest records: the halves hold very different token counts."""
+    ds = trainer.train_dataset
+    recs = sorted((ds[i] for i in range(len(ds))), key=lambda r: len(r["answer"]))
+    return recs[:2], recs[-2:]
+
+
+# ------------------------------------------------------------------ (a) gradient accumulation
+def test_global_counts_make_micro_batches_sum_to_the_full_batch(two_teachers):
+    trainer, model = two_teachers, two_teachers.distill_model
+    short, long = _uneven_halves(trainer)
+    full = trainer.data_collator(short + long)
+    halves = [trainer.data_collator(short), trainer.data_collator(long)]
+    counts = trainer._get_num_items_in_batch(halves, torch.device("cpu"))  # [2]: CE tokens, KV tokens
+    torch.testing.assert_close(counts, trainer._get_num_items_in_batch([full], torch.device("cpu")))
+    ce_per_half = [float((h["labels"][:, 1:] != -100).sum()) for h in halves]
+    assert ce_per_half[1] > 1.5 * ce_per_half[0]  # the halves really differ
+
+    model.zero_grad()
+    out = _call(trainer, full, counts)
+    out["loss"].backward()
+    g_full = _grads(model)
+    assert any(n.startswith("aligners.") for n in g_full) and any(n.startswith("student.") for n in g_full)
+
+    model.zero_grad()
+    loss_sum = 0.0
+    for h in halves:  # what gradient accumulation does: backward per micro-batch, grads add up
+        part = _call(trainer, h, counts)["loss"]
+        part.backward()
+        loss_sum += float(part.detach())
+    g_acc = _grads(model)
+    assert float(out["loss"].detach()) == pytest.approx(loss_sum, rel=1e-5, abs=1e-5)
+    assert g_full.keys() == g_acc.keys()
+    for n in g_full:
+        torch.testing.assert_close(g_acc[n], g_full[n], rtol=1e-4, atol=1e-5, msg=n)
+
+    # per-micro-batch means (each half normalised by its own counts) give another loss
+    with torch.no_grad():
+        local = [float(_call(trainer, h)["loss"]) for h in halves]
+    assert abs(sum(local) / 2 - float(out["loss"].detach())) > 1e-3
+    model.zero_grad()
+
+
+def test_trainer_ga_equals_one_big_batch(base_args, tmp_path):
+    """One optimizer step: batch 4 x GA 1 and batch 2 x GA 2 (same samples) give the same weights."""
+    states = []
+    for bs, ga in ((4, 1), (2, 2)):
+        cfg = parse_config(
+            base_args(
+                output_dir=tmp_path / f"b{bs}",
+                per_device_train_batch_size=bs,
+                gradient_accumulation_steps=ga,
+                max_steps=1,
+                max_samples=16,
+                kv_weight=1,
+                logging_steps=1,
+            )
+        )
+        trainer = build_trainer(cfg)
+        trainer.train()
+        states.append({k: v.detach().clone() for k, v in trainer.distill_model.state_dict().items()})
+        states[-1]["_loss"] = torch.tensor(trainer.state.log_history[0]["loss"])
+    for k in states[0]:
+        torch.testing.assert_close(states[1][k], states[0][k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+# ------------------------------------------------------------------ (b) masks
+def test_ce_counts_only_reasoning_and_answer_tokens(two_teachers):
+    trainer, model = two_teachers, two_teachers.distill_model
+    short, long = _uneven_halves(trainer)
+    batch = trainer.data_collator(long + short)
+    seg, ids = batch["segment_ids"], batch["input_ids"]
+    # prompt and padding are never targets: the collator labels exactly the reasoning + answer tokens
+    assert torch.equal(batch["labels"] != -100, seg > 0)
+    assert torch.equal(batch["labels"][seg > 0], ids[seg > 0])
+    with torch.no_grad():
+        out = _call(trainer, batch)
+        logits = model.student(input_ids=ids, attention_mask=batch["attention_mask"]).logits
+    # reference from the segments alone: mean next-token NLL where the next token is reasoning/answer
+    logp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1]
+    target = seg[:, 1:] > 0
+    assert (seg == 0).sum() > target.sum() / 4  # the prompt is a real share of the tokens
+    assert float(out["metrics"]["ce"]) == pytest.approx(float(-logp[target].mean()), rel=1e-5)
+    assert float(token_ce_sum(logits, batch["labels"])) == pytest.approx(float(-logp[target].sum()), rel=1e-5)
+
+
+def test_padding_changes_nothing(two_teachers):
+    trainer = two_teachers
+    batch = trainer.data_collator(list(_uneven_halves(trainer)[0]) + list(_uneven_halves(trainer)[1]))
+    pad_id = trainer.processing_class.pad_token_id
+    with torch.no_grad():
+        ref = _call(trainer, batch)
+        # more padding columns, student and teachers
+        padded = _call(trainer, _pad_right(batch, 7, pad_id))
+        # other token ids under padding (attention_mask 0, labels -100)
+        scrambled = dict(batch)
+        ids = batch["input_ids"].clone()
+        ids[batch["attention_mask"] == 0] = 5
+        scrambled["input_ids"] = ids
+        scrambled_out = _call(trainer, scrambled)
+    assert (batch["attention_mask"] == 0).any()
+    for other in (padded, scrambled_out):
+        assert float(other["loss"]) == pytest.approx(float(ref["loss"]), rel=1e-5)
+        for key in ("ce", "kv_loss", "cos_sim/qwen2_teacher", "cos_sim/llama_teacher_alt_tok"):
+            assert float(other["metrics"][key]) == pytest.approx(
+                float(ref["metrics"][key]), rel=1e-5, abs=1e-6
+            )
+
+
+def test_zero_weight_segment_is_outside_the_kv_loss(base_args):
+    """segment_weights {prompt: 0}: the teacher's prompt KV can be anything, the loss does not change."""
+    trainer = build_trainer(
+        parse_config(base_args(max_samples=8, kv_weight=1, segment_weights="{prompt: 0.0}"))
+    )
+    ds = trainer.train_dataset
+    batch = trainer.data_collator([ds[i] for i in range(4)])
+    model = trainer.distill_model
+    kvs = _teacher_kvs(trainer, batch)
+    ((name, kv),) = kvs.items()
+    is_prompt = kv.segment_ids == 0  # [B, T]
+    noisy = type(kv)(
+        kv.keys + 10 * torch.randn_like(kv.keys) * is_prompt[None, :, None, :, None],
+        kv.values - 3 * is_prompt[None, :, None, :, None],
+        kv.attention_mask,
+        kv.segment_ids,
+    )
+    with torch.no_grad():
+        a = model(**{k: batch[k] for k in KEYS}, teacher_kvs={name: kv}, kv_scale=1.0)
+        b = model(**{k: batch[k] for k in KEYS}, teacher_kvs={name: noisy}, kv_scale=1.0)
+    assert float(a["metrics"]["kv_loss"]) > 0
+    assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-6)
+
+
+# ------------------------------------------------------------------ (c) where the KV gradient goes
+def test_kv_gradient_reaches_student_and_aligner_not_teachers(two_teachers):
+    trainer, model = two_teachers, two_teachers.distill_model
+    batch = trainer.data_collator(_uneven_halves(trainer)[0])
+    saved = model.weights
+    model.weights = LossWeights(ce=0.0)  # KV term only
+    try:
+        model.zero_grad()
+        out = _call(trainer, batch)
+        out["loss"].backward()
+    finally:
+        model.weights = saved
+    assert float(out["metrics"]["kv_loss"]) > 0
+    attn = model.student.model.layers[0].self_attn
+    for p in (attn.k_proj.weight, attn.v_proj.weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    for name in ("qwen2_teacher", "llama_teacher_alt_tok"):
+        grads = [p.grad for p in model.aligners[name].parameters() if p.requires_grad]
+        assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+    # nothing downstream of the last layer's keys/values gets a KV gradient (ce * 0 leaves zeros)
+    g = model.student.model.layers[-1].mlp.down_proj.weight.grad
+    assert g is None or not g.any()
+    for t in trainer.teachers:
+        assert all(not p.requires_grad and p.grad is None for p in t.model.parameters())
+    assert all(kv.keys.grad_fn is None for kv in _teacher_kvs(trainer, batch).values())
+    model.zero_grad()
+
+
+# ------------------------------------------------------------------ (d)-(h) options end to end
+def _two_step_argv(base_args, **kw):
+    args = {"max_steps": 2, "max_samples": 8, "logging_steps": 1, "kv_weight": 1}
+    args.update(kw)
+    return base_args(**args)
+
+
+def _two_teacher_list(tiny_world) -> str:
+    m = tiny_world.models
+    return f"[{{path: {m['qwen2_teacher']}}}, {{path: {m['llama_teacher']}, weight: 3.0}}]"
+
+
+@pytest.mark.parametrize("fusion", ["loss_sum", "kv_mean", "learned"])
+def test_fusion_kinds_train(fusion, base_args, tiny_world, tmp_path):
+    out = tmp_path / fusion
+    assert (
+        train_main(
+            _two_step_argv(base_args, output_dir=out, fusion=fusion, teachers=_two_teacher_list(tiny_world))
+        )
+        == 0
+    )
+    rows = _rows(out)
+    assert len(rows) == 2 and all(r["kv_loss"] > 0 for r in rows)
+    w = rows[0]["fusion_w/qwen2_teacher"], rows[0]["fusion_w/llama_teacher"]
+    assert sum(w) == pytest.approx(1.0, abs=1e-6)
+    modules = load_file(out / "kvdistill_modules.safetensors")
+    if fusion == "kv_mean":
+        assert "cos_sim/fused" in rows[-1] and "cos_sim/qwen2_teacher" not in rows[-1]
+    else:
+        assert "cos_sim/qwen2_teacher" in rows[-1] and "cos_sim/llama_teacher" in rows[-1]
+    if fusion == "learned":
+        logits = modules["fusion.logits"]
+        assert not torch.allclose(torch.softmax(logits, 0), torch.tensor([0.25, 0.75]), atol=0, rtol=0)
+        assert w == pytest.approx((0.25, 0.75), abs=1e-3)  # starts from the fixed weights
+    else:
+        assert w == pytest.approx((0.25, 0.75), abs=1e-6)
+        assert "fusion.logits" not in modules
+
+
+def test_correctness_fusion_caches_teacher_answers(base_args, tiny_world, tmp_path, monkeypatch):
+    import kvdistill.evaluate.eval as ev
+
+    out = tmp_path / "correctness"
+    argv = _two_step_argv(
+        base_args, output_dir=out, fusion="correctness", teachers=_two_teacher_list(tiny_world)
+    )
+    calls = []
+    real = ev.evaluate_model
+    monkeypatch.setattr(ev, "evaluate_model", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert train_main(argv) == 0
+    assert len(calls) == 2  # once per teacher
+    cache = out / "teacher_correctness.json"
+    table = json.loads(cache.read_text())
+    assert len(table) == 2 and all(len(v) == 8 and set(v) <= {0, 1} for v in table.values())
+    mtime = os.stat(cache).st_mtime_ns
+
+    monkeypatch.setattr(ev, "evaluate_model", lambda *a, **k: pytest.fail("teacher answers were recomputed"))
+    assert train_main(argv) == 0
+    assert os.stat(cache).st_mtime_ns == mtime
+    rows = _rows(out)
+    assert rows[-1]["fusion_w/qwen2_teacher"] + rows[-1]["fusion_w/llama_teacher"] == pytest.approx(1.0)
+
+
+def test_structured_elastic_structural_trains(base_args, tmp_path):
+    out = tmp_path / "structured"
+    assert (
+        train_main(
+            _two_step_argv(
+                base_args,
+                output_dir=out,
+                head_mode="structured",
+                projector="elastic",
+                kv_loss="structural",
+                mlp_ratio=0.5,
+            )
+        )
+        == 0
+    )
+    rows = _rows(out)
+    assert len(rows) == 2 and all(r["kv_loss"] == r["kv_loss"] and r["kv_loss"] > 0 for r in rows)  # not NaN
+    keys = load_file(out / "kvdistill_modules.safetensors").keys()
+    assert any(".k_mix." in k for k in keys) and any("norm" in k for k in keys)  # head mixer + LayerNorm
+
+
+def test_codi_and_logit_kd_train(base_args, tiny_world, tmp_path):
+    out = tmp_path / "codi_kd"
+    assert (
+        train_main(
+            _two_step_argv(
+                base_args,
+                output_dir=out,
+                codi_weight=0.5,
+                logit_kd_weight=0.5,
+                logit_kd_kind="jsd",
+                logit_kd_temperature=2.0,
+            )
+        )
+        == 0
+    )
+    rows = _rows(out)
+    assert all(r["codi"] > 0 and r["logit_kd"] > 0 for r in rows)
+    keys = load_file(out / "kvdistill_modules.safetensors").keys()
+    assert "codi.qwen2_teacher.weight" in keys
+
+
+def test_untrained_teacher_control(base_args, tiny_world):
+    trainer = build_trainer(parse_config(_two_step_argv(base_args, untrained_teacher_control=True)))
+    saved = load_file(Path(tiny_world.models["qwen2_teacher"]) / "model.safetensors")
+    (teacher,) = list(trainer.teachers)
+    used = teacher.model.state_dict()
+    w = "model.layers.0.self_attn.k_proj.weight"
+    assert used[w].shape == saved[w].shape and not torch.equal(used[w], saved[w])
+    assert all(not p.requires_grad for p in teacher.model.parameters())
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert torch.equal(teacher.model.state_dict()[w], used[w])  # frozen through training
+
+
+def test_teacher_offload(base_args, monkeypatch):
+    trainer = build_trainer(parse_config(_two_step_argv(base_args, teacher_offload=True)))
+    assert trainer.teachers.offload
+    (teacher,) = list(trainer.teachers)
+    moves = []
+    real_to = teacher.model.to
+    monkeypatch.setattr(teacher.model, "to", lambda *a, **k: moves.append(str(a[0])) or real_to(*a, **k))
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert moves and moves[-1] == "cpu" and len(moves) % 2 == 0  # on the device for a forward, then back
+    assert all(p.device.type == "cpu" for p in teacher.model.parameters())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes is installed")
+def test_4bit_without_bitsandbytes_is_a_clear_error(base_args, tiny_world):
+    teachers = f"[{{path: {tiny_world.models['qwen2_teacher']}, quantization: 4bit}}]"
+    cfg = parse_config(base_args(teachers=teachers))
+    with pytest.raises(ModelLoadError, match="bitsandbytes"):
+        build_trainer(cfg)
+
+
+# ------------------------------------------------------------------ gradient checkpointing
+def test_checkpointing_drops_the_student_cache_in_training(tiny_world):
+    """Pins the transformers behaviour docs/training.md describes: no cache comes back in train mode."""
+    from kvdistill.cache import forward_with_kv
+    from kvdistill.data import DistillCollator, load_records
+    from kvdistill.models import load_model, load_tokenizer
+
+    path = tiny_world.models["student"]
+    student, tok = load_model(path, dtype="fp32"), load_tokenizer(path)
+    batch = DistillCollator(tok, 160)(load_records(tiny_world.data_dir, "train", limit=2))
+    enable = (
+        getattr(student, "activation_checkpointing_enable", None) or student.gradient_checkpointing_enable
+    )
+    enable()
+    student.train()
+    with pytest.raises(ValueError, match="no cache"):
+        forward_with_kv(student, batch["input_ids"], batch["attention_mask"], batch["segment_ids"])
+    student.eval()  # inference keeps the cache
+    _, kv = forward_with_kv(student, batch["input_ids"], batch["attention_mask"], batch["segment_ids"])
+    assert kv.keys.shape[0] == 2
+
+
+def test_checkpointing_refused_with_kv_and_works_for_sft(base_args):
+    with pytest.raises(ConfigError, match="checkpointing"):
+        parse_config(base_args(gradient_checkpointing="true", kv_weight=0.1))
+    cfg = parse_config(_two_step_argv(base_args, gradient_checkpointing="true", kv_weight=0, codi_weight=0.5))
+    trainer = build_trainer(cfg)
+    trainer.train()
+    student = trainer.distill_model.student
+    assert getattr(student, "is_activation_checkpointing", None) or student.is_gradient_checkpointing
+    assert trainer.state.global_step == 2 and "codi" in trainer.state.log_history[0]
