@@ -73,7 +73,8 @@ def tiny_configs(vocab: int, alt_vocab: int) -> dict[str, tuple[object, str]]:
         "mistral": (MistralConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
                                   **common), "bpe"),
-        "gpt2": (GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=512), "bpe"),
+        "gpt2": (GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=512,
+                            bos_token_id=0, eos_token_id=0), "bpe"),
     }
 
 

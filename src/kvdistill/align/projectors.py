@@ -8,7 +8,7 @@ weight sets stacked on a leading axis, and the input must then be `[G, ..., d_in
 moves the grouped axis to the front). All groups run in one batched matmul, never a Python loop.
 
 Reference sizes (seed 001, 5120 -> 1536, K + V projectors):
-    linear            2 x (5120*1536 + 1536)                              =  7.87 M
+    linear (one)      5120*1536 + 1536                                    =  7.87 M  (K+V: 15.73 M)
     elastic (r = 1)   2 x (2*5120 + 5120*5120 + 5120 + 5120*1536 + 1536)  = 68.19 M
 """
 

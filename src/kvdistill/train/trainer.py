@@ -72,12 +72,15 @@ class KVDistillTrainer(Trainer):
             return self.optimizer
         opt_model = self.model if model is None else model
         decay = set(self.get_decay_parameter_names(opt_model))
+        # by identity, not name: under FSDP the optimizer is built on the wrapped model, whose names
+        # carry `_fsdp_wrapped_module.` prefixes
+        student = {id(p) for p in self.distill_model.student.parameters()}
         groups = []
         for part, lr in (("student", self.args.learning_rate), ("aligner", self.args.aligner_learning_rate)):
             for use_decay in (True, False):
                 params = [
                     p for n, p in opt_model.named_parameters()
-                    if p.requires_grad and (n.startswith("student.") == (part == "student")) and (n in decay) == use_decay
+                    if p.requires_grad and ((id(p) in student) == (part == "student")) and (n in decay) == use_decay
                 ]
                 if params:
                     wd = self.args.weight_decay if use_decay else 0.0

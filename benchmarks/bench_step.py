@@ -1,0 +1,282 @@
+"""Benchmark: one full distillation step against its floor.
+
+- full step: what `KVDistillTrainer` runs per micro-batch, `compute_loss` + `backward`: every
+  teacher's forward under no_grad (KV stacked), the student's forward with its KV, time / layer /
+  head / dim alignment per teacher, Mercator KV loss, CE, the logged metrics, and the backward
+  through student + aligners.
+- floor: what any distillation from these teachers costs at least, the same teachers' plain
+  forwards (`use_cache=True`, no_grad) + the student's forward/backward with CE only.
+
+`ratio = full / floor`, the median of the paired ratios of interleaved repeats (full and floor
+alternate, after warm-up), so a machine that slows down mid-run hits both. Target: <= 1.10 on the
+realistic pair below, with one teacher and with two (the headline is the larger ratio). The tiny
+fixtures row is for reference only: at 32-dim models the fixed per-op cost of the aligners and
+metrics dominates, whatever the shapes.
+
+Pairs (random init, saved and loaded like real models; the fixtures' BPE tokenizer; batch 2, the
+recipe's per-device batch, of the synthetic GSM8K-style problems, about 100-190 tokens each):
+- tiny: the test fixtures (student Qwen2 2 x 32, teachers Qwen2 4 x 64 and Llama 3 x 96 on another
+  tokenizer);
+- large: student Qwen2 8 layers x 256 (2 KV heads x 64, 7 M params), teachers Qwen2 12 x 512
+  (2 KV heads x 64) and Llama 12 x 512 (4 KV heads x 64), 36-37 M params each, vocab 4096: a step
+  takes about half a second on one core.
+`--quick` swaps the large pair for a half-size one and runs fewer repeats.
+
+Threads: `torch.set_num_threads(1)` for the run (restored after), so the numbers do not depend on
+how many cores happen to be free; the optimizer step is outside both timings (it is the same).
+
+Memory: peak bytes allocated *during* one step above what was allocated before it (weights are
+not counted; activations, KV stacks, aligned targets and gradients are). CUDA:
+`torch.cuda.max_memory_allocated`; CPU: the running sum of `torch.profiler` memory events
+(`kvdistill.profile.measure`). `tracemalloc` cannot see torch's CPU allocator, and `ru_maxrss`
+is a process-wide high-water mark that warm-up already pushed up. Process max RSS is reported for
+context only.
+
+    python benchmarks/bench_step.py [--quick]
+    kvdistill bench --only step
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from kvdistill.models import load_tokenizer
+from kvdistill.profile import measure
+from kvdistill.testing import build_tiny_world
+from kvdistill.train.config import parse_config
+from kvdistill.train.model import token_ce_sum
+from kvdistill.train.run import build_trainer
+
+TARGET = 1.10
+BATCH = 2  # the recipe's per_device_train_batch_size
+
+# name -> (architecture, hidden, layers, attention heads, KV heads, MLP width)
+LARGE = {
+    "student": ("qwen2", 256, 8, 4, 2, 704),
+    "teacher_qwen2": ("qwen2", 512, 12, 8, 2, 1408),
+    "teacher_llama": ("llama", 512, 12, 8, 4, 1408),
+}
+QUICK = {
+    "student": ("qwen2", 128, 4, 2, 1, 352),
+    "teacher_qwen2": ("qwen2", 256, 6, 4, 2, 704),
+    "teacher_llama": ("llama", 256, 6, 4, 2, 704),
+}
+VOCAB = 4096
+
+
+def make_pair(root: Path, tokenizer_dir: Path, sizes: dict[str, tuple]) -> dict[str, Path]:
+    """Random-init models of `sizes`, saved with the fixtures' tokenizer (loaded back like real ones)."""
+    tok = load_tokenizer(tokenizer_dir)
+    paths = {}
+    for i, (name, (arch, hidden, layers, heads, kv_heads, inter)) in enumerate(sizes.items()):
+        cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+        cfg = cls(
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            bos_token_id=tok.bos_token_id,
+        )
+        torch.manual_seed(i)
+        paths[name] = root / name
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(paths[name])
+        tok.save_pretrained(paths[name])
+    return paths
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_paired(
+    fns: dict[str, Any], device: torch.device, warmup: int, repeats: int
+) -> dict[str, list[float]]:
+    """Interleaved timings: every repeat runs each fn once, the order alternating between repeats."""
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names if r % 2 == 0 else names[::-1]:
+            _sync(device)
+            t0 = time.perf_counter()
+            fns[n]()
+            _sync(device)
+            times[n].append(time.perf_counter() - t0)
+    return times
+
+
+def bench_case(
+    case: str,
+    student: Path,
+    teachers: list[Path],
+    data: Path,
+    out: Path,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """Time and measure one full step and its floor for one student/teachers pair."""
+    teacher_list = "[" + ", ".join(f"{{path: {p}}}" for p in teachers) + "]"
+    argv = {
+        "student": student,
+        "teachers": teacher_list,
+        "data": data,
+        "output_dir": out,
+        "max_samples": 32,
+        "max_length": 256,
+        "kv_weight": 0.1,
+        "kv_warmup_steps": 0,
+        "kv_loss": "mercator",
+        "fusion": "loss_sum",
+        "per_device_train_batch_size": BATCH,
+        "gradient_accumulation_steps": 1,
+        "report_to": "none",
+        "use_cpu": str(device.type == "cpu").lower(),
+        "disable_tqdm": "true",
+    }
+    trainer = build_trainer(parse_config([x for k, v in argv.items() for x in (f"--{k}", str(v))]))
+    model = trainer.model
+    model.train()
+    ds = trainer.train_dataset
+    batch = trainer._prepare_inputs(trainer.data_collator([ds[i] for i in range(BATCH)]))
+    counts = trainer._get_num_items_in_batch([batch], device)
+    student_lm = trainer.distill_model.student
+
+    def full() -> None:
+        model.zero_grad(set_to_none=True)
+        trainer.compute_loss(model, batch, num_items_in_batch=counts).backward()
+        trainer._metrics.clear()
+
+    def floor() -> None:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for t in trainer.teachers:
+                src = batch.get("teacher_inputs", {}).get(t.name, batch)
+                t.model(input_ids=src["input_ids"], attention_mask=src["attention_mask"], use_cache=True)
+        logits = student_lm(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).logits
+        (token_ce_sum(logits, batch["labels"]) / counts[0]).backward()
+
+    times = _median_paired({"full": full, "floor": floor}, device, warmup, repeats)
+    ratios = [f / g for f, g in zip(times["full"], times["floor"])]
+    _, _, peak_full = measure(full, device)
+    _, _, peak_floor = measure(floor, device)
+    params = {
+        "student": sum(p.numel() for p in student_lm.parameters()),
+        "aligners": sum(
+            p.numel() for n, p in trainer.distill_model.named_parameters() if not n.startswith("student.")
+        ),
+        "teachers": sum(p.numel() for t in trainer.teachers for p in t.model.parameters()),
+    }
+    full_ms, floor_ms = statistics.median(times["full"]) * 1e3, statistics.median(times["floor"]) * 1e3
+    return {
+        "case": case,
+        "tokens": int(batch["attention_mask"].sum()),
+        "student_M": params["student"] / 1e6,
+        "teachers_M": params["teachers"] / 1e6,
+        "aligners_M": params["aligners"] / 1e6,
+        "full_ms": full_ms,
+        "floor_ms": floor_ms,
+        "overhead_ms": full_ms - floor_ms,
+        "ratio": statistics.median(ratios),
+        "peak_full_mib": peak_full / 2**20,
+        "peak_floor_mib": peak_floor / 2**20,
+    }
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Full step vs floor on the tiny fixtures and a larger pair; a JSON-able dict for `kvdistill bench`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    warmup, repeats = (1, 3) if quick else (3, 11)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvdistill_bench_step_") as tmp:
+            root = Path(tmp)
+            world = build_tiny_world(root / "tiny", n_train=64, n_test=8)
+            m = world.models
+            large = make_pair(root / "large", world.tokenizers["bpe"], QUICK if quick else LARGE)
+            large_name = "half-size pair (quick)" if quick else "large pair"
+            pair = [large["teacher_qwen2"], large["teacher_llama"]]
+            rows = [
+                bench_case(
+                    "tiny fixtures, 2 teachers",
+                    m["student"],
+                    [m["qwen2_teacher"], m["llama_teacher_alt_tok"]],
+                    world.data_dir,
+                    root / "run_tiny",
+                    device,
+                    warmup,
+                    repeats,
+                ),
+                bench_case(
+                    f"{large_name}, 1 teacher",
+                    large["student"],
+                    pair[:1],
+                    world.data_dir,
+                    root / "run_large1",
+                    device,
+                    warmup,
+                    repeats,
+                ),
+                bench_case(
+                    f"{large_name}, 2 teachers",
+                    large["student"],
+                    pair,
+                    world.data_dir,
+                    root / "run_large2",
+                    device,
+                    warmup,
+                    repeats,
+                ),
+            ]
+    finally:
+        torch.set_num_threads(threads)
+    ratio = max(r["ratio"] for r in rows[1:])  # the stricter of the realistic rows
+    return {
+        "name": "step",
+        "title": "Distillation step vs its floor (teacher forwards + student CE step)",
+        "description": f"`compute_loss` + backward of `KVDistillTrainer` (flat linear aligners, "
+        f"segment time alignment, Mercator) vs the same teachers' plain forwards + the student's CE "
+        f"forward/backward; batch {BATCH}, median of {repeats} interleaved repeats after {warmup} warm-up, "
+        f"1 torch thread, {device.type}. ratio = median of paired full/floor ratios; the headline is the larger of "
+        f"the two {large_name} rows. Peak = bytes allocated during one step above the start "
+        f"({'CUDA max_memory_allocated' if device.type == 'cuda' else 'torch.profiler memory events'}).",
+        "results": rows,
+        "ratio": ratio,
+        "target": TARGET,
+        "passed": ratio <= TARGET,
+        "tiny_ratio": rows[0]["ratio"],
+        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "device": device.type,
+        "torch_threads": 1,
+        "quick": quick,
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="half-size pair, fewer repeats (about a minute)")
+    json.dump(run(quick=parser.parse_args().quick), sys.stdout, indent=1)
+    print()
