@@ -18,6 +18,16 @@ import numpy as np
 # --------------------------------------------------------------------------- ab-projector
 
 
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Tight layout, write a PNG (parent dirs created), close the figure; returns the path."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
 def plot_ab_curves(
     curves: dict[str, dict[str, tuple[list[int], list[list[float]]]]],
     path: str | Path,
@@ -59,12 +69,7 @@ def plot_ab_curves(
         ax.legend()
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- layer-map
@@ -121,12 +126,7 @@ def plot_cka_heatmap(
     ax.set_ylabel(student_label)
     if title:
         ax.set_title(title, fontsize="medium", wrap=True)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- ablate
@@ -170,12 +170,7 @@ def plot_bars_with_errors(
     if title:
         ax.set_title(title)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_run_curves(
@@ -209,9 +204,4 @@ def plot_run_curves(
         ax.legend(fontsize=7)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -156,6 +156,55 @@ def test_trainer_ga_equals_one_big_batch(base_args, tmp_path):
         torch.testing.assert_close(states[1][k], states[0][k], rtol=1e-4, atol=1e-6, msg=k)
 
 
+@pytest.fixture(scope="module")
+def all_terms(tiny_world, tmp_path_factory):
+    """Every loss term on: CE, KV (two teachers), CODI and logit KD (the teacher sharing the tokenizer)."""
+    m = tiny_world.models
+    args = {
+        "student": m["student"],
+        "data": tiny_world.data_dir,
+        "max_samples": 32,
+        "teachers": f"[{{path: {m['qwen2_teacher']}}}, {{path: {m['llama_teacher_alt_tok']}, weight: 0.5}}]",
+        "output_dir": tmp_path_factory.mktemp("all_terms") / "run",
+        "max_length": 160,
+        "kv_weight": 1,
+        "kv_warmup_steps": 0,
+        "codi_weight": 1,
+        "logit_kd_weight": 1,
+        "use_cpu": "true",
+        "report_to": "none",
+    }
+    return build_trainer(parse_config([x for k, v in args.items() for x in (f"--{k}", str(v))]))
+
+
+def test_every_term_is_normalised_globally(all_terms):
+    """compute_loss as the Trainer calls it: micro-batch losses with global counts add up to the big batch."""
+    trainer, model = all_terms, all_terms.distill_model
+    short, long = _uneven_halves(trainer)
+    full = trainer.data_collator(short + long)
+    halves = [trainer.data_collator(short), trainer.data_collator(long)]
+    counts = trainer._get_num_items_in_batch(halves, torch.device("cpu"))
+
+    model.zero_grad()
+    loss_full = trainer.compute_loss(model, full, num_items_in_batch=counts)
+    loss_full.backward()
+    g_full = _grads(model)
+    assert {"codi", "logit_kd", "kv_loss"} <= set(trainer._metrics)
+    assert any(n.startswith("codi.") for n in g_full)
+    model.zero_grad()
+    loss_acc = 0.0
+    for h in halves:
+        part = trainer.compute_loss(model, h, num_items_in_batch=counts)
+        part.backward()
+        loss_acc += float(part.detach())
+    g_acc = _grads(model)
+    trainer._metrics.clear()
+    model.zero_grad()
+    assert float(loss_full.detach()) == pytest.approx(loss_acc, rel=1e-5)
+    for n in g_full:
+        torch.testing.assert_close(g_acc[n], g_full[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
 # ------------------------------------------------------------------ (b) masks
 def test_ce_counts_only_reasoning_and_answer_tokens(two_teachers):
     trainer, model = two_teachers, two_teachers.distill_model

@@ -11,6 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from kvdistill.plots import save_figure
+
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The training log records (those with a `loss`) of a `metrics.jsonl`."""
@@ -48,7 +50,7 @@ def plot_training_curves(path: str | Path, out_dir: str | Path) -> list[Path]:
             ax.plot(steps, [r.get(key, np.nan) for r in rows], label=key)
     ax.set(xlabel="step", ylabel="loss", yscale="log", title="training losses")
     ax.legend()
-    written.append(_save(fig, out_dir / "curves_loss.png"))
+    written.append(save_figure(fig, out_dir / "curves_loss.png"))
 
     cos_keys = sorted({k for r in rows for k in r if k.startswith("cos_sim/")})
     if cos_keys:
@@ -57,7 +59,7 @@ def plot_training_curves(path: str | Path, out_dir: str | Path) -> list[Path]:
             ax.plot(steps, [r.get(k, np.nan) for r in rows], label=k.split("/", 1)[1])
         ax.set(xlabel="step", ylabel="cos-sim (keys)", title="student vs aligned teacher KV", ylim=(-0.1, 1.0))
         ax.legend()
-        written.append(_save(fig, out_dir / "curves_cos_sim.png"))
+        written.append(save_figure(fig, out_dir / "curves_cos_sim.png"))
 
         teachers = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("cos_layer/")})
         if teachers:
@@ -69,12 +71,5 @@ def plot_training_curves(path: str | Path, out_dir: str | Path) -> list[Path]:
                                extent=(steps[0], steps[-1], -0.5, len(layers) - 0.5))
                 ax.set(xlabel="step", ylabel="student layer", title=f"per-layer cos-sim: {t}")
             fig.colorbar(im, ax=axes[0].tolist())
-            written.append(_save(fig, out_dir / "cos_sim_layers.png"))
+            written.append(save_figure(fig, out_dir / "cos_sim_layers.png"))
     return written
-
-
-def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path

@@ -123,6 +123,7 @@ class KVDistillModel(nn.Module):
         kv_scale: float = 0.0,
         num_ce_tokens: Tensor | float | None = None,
         num_kv_tokens: Tensor | float | None = None,
+        num_sequences: Tensor | float | None = None,
     ) -> dict:
         w = self.weights
         need_kv = kv_scale > 0 and len(self.aligners) > 0
@@ -151,9 +152,9 @@ class KVDistillModel(nn.Module):
             loss = loss + kv_scale * kv_sum / n_kv
             metrics["kv_loss"] = (kv_sum / base.sum().clamp(min=1)).detach()
         if w.codi > 0:
-            codi = self._codi(names, teacher_kvs, hidden, segment_ids, sample_w)
-            loss = loss + w.codi * codi
-            metrics["codi"] = codi.detach()
+            codi = self._codi(names, teacher_kvs, hidden, segment_ids, sample_w)  # sum over samples
+            loss = loss + w.codi * codi / (num_sequences if num_sequences is not None else input_ids.shape[0])
+            metrics["codi"] = (codi / input_ids.shape[0]).detach()
         if w.logit_kd > 0 and teacher_logits:
             kd = sum(
                 sample_w[:, names.index(n)].mean() * logit_kd_sum(out.logits, t, labels, w.logit_kd_kind, w.temperature)
@@ -193,7 +194,11 @@ class KVDistillModel(nn.Module):
 
     def _codi(self, names, teacher_kvs, hidden, segment_ids, sample_w) -> Tensor:
         """CODI: smooth-L1 between the student's last hidden state at the answer marker and the
-        projected teacher's, scaled by the target's std (as in the CODI paper)."""
+        projected teacher's, scaled by the target's std (as in the CODI paper).
+
+        Returns the *sum* over samples of the fusion-weighted teacher terms (the caller divides by
+        the global sample count, so gradient accumulation does not change it); per-sample std, so
+        a sample's term does not depend on the rest of its micro-batch."""
         pos_s, has_s = answer_position(segment_ids)
         b = torch.arange(pos_s.shape[0], device=pos_s.device)
         h_s = hidden[-1][b, pos_s].float()  # [B, d_s]
@@ -202,9 +207,9 @@ class KVDistillModel(nn.Module):
             tkv = teacher_kvs[n]
             pos_t, has_t = answer_position(tkv.segment_ids)
             h_t = self.codi[n](tkv.hidden_states[-1][b, pos_t].float())  # [B, d_s]
-            per = F.smooth_l1_loss(h_s, h_t, reduction="none").mean(-1) / h_t.std().detach().clamp(min=1e-6)
-            valid = (has_s & has_t).float() * sample_w[:, i]
-            total = total + (per * valid).sum() / valid.sum().clamp(min=1e-6)
+            per = F.smooth_l1_loss(h_s, h_t, reduction="none").mean(-1) / h_t.std(-1).detach().clamp(min=1e-6)
+            valid = (has_s & has_t).float() * sample_w[:, i]  # [B]
+            total = total + (per * valid).sum()
         return total
 
 

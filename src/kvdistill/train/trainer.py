@@ -90,13 +90,14 @@ class KVDistillTrainer(Trainer):
         return self.optimizer
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
-        """Global (all micro-batches, all ranks) counts `[2]`: CE tokens and KV tokens."""
+        """Global (all micro-batches, all ranks) counts `[3]`: CE tokens, KV tokens, sequences."""
         if not batch_samples or "labels" not in batch_samples[0]:
             return None
         m = self.distill_model
         ce = sum(float((b["labels"][:, 1:] != -100).sum()) for b in batch_samples)
         kv = sum(float(m.kv_mask(b["segment_ids"], b["attention_mask"]).sum()) for b in batch_samples)
-        counts = torch.tensor([ce, kv], device=device)
+        seqs = sum(float(b["input_ids"].shape[0]) for b in batch_samples)  # per-sample terms (CODI)
+        counts = torch.tensor([ce, kv, seqs], device=device)
         if self.args.world_size > 1:
             counts = self.accelerator.gather(counts[None]).sum(0)
         return counts.clamp(min=1)
@@ -128,6 +129,7 @@ class KVDistillTrainer(Trainer):
             kv_scale=kv_scale if use_teachers else 0.0,
             num_ce_tokens=None if counts is None else counts[0],
             num_kv_tokens=None if counts is None else counts[1],
+            num_sequences=None if counts is None else counts[2],
         )
         loss = out["loss"]
         if counts is not None:
