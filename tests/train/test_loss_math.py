@@ -464,7 +464,9 @@ def test_checkpointing_drops_the_student_cache_in_training(tiny_world):
 def test_checkpointing_refused_with_kv_and_works_for_sft(base_args):
     with pytest.raises(ConfigError, match="checkpointing"):
         parse_config(base_args(gradient_checkpointing="true", kv_weight=0.1))
-    cfg = parse_config(_two_step_argv(base_args, gradient_checkpointing="true", kv_weight=0, codi_weight=0.5))
+    cfg = parse_config(
+        _two_step_argv(base_args, activation_checkpointing="true", kv_weight=0, codi_weight=0.5)
+    )
     trainer = build_trainer(cfg)
     trainer.train()
     student = trainer.distill_model.student
