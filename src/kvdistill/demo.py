@@ -26,7 +26,6 @@ import torch
 
 from kvdistill import cli
 from kvdistill.data import format_example
-from kvdistill.synthetic import write_dataset
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "demo"
 
@@ -188,7 +187,7 @@ def _params(path: Path) -> int:
     from safetensors import safe_open
 
     with safe_open(str(path / "model.safetensors"), "pt") as f:
-        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
 
 
 def main(argv: list[str]) -> int:
