@@ -70,8 +70,7 @@ def _pad_right(batch: dict, extra: int, pad_id: int) -> dict:
     return padded
 
 
-@pytest.fixture(scope="module")
-def two_teachers(tiny_world, tmp_path_factory):
+def _two_teacher_trainer(tiny_world, out, **extra):
     """A wired trainer with two teachers (one with another tokenizer), KV loss at full weight."""
     m = tiny_world.models
     args = {
@@ -79,15 +78,20 @@ def two_teachers(tiny_world, tmp_path_factory):
         "data": tiny_world.data_dir,
         "max_samples": 32,
         "teachers": f"[{{path: {m['qwen2_teacher']}}}, {{path: {m['llama_teacher_alt_tok']}, weight: 0.5}}]",
-        "output_dir": tmp_path_factory.mktemp("loss_math") / "run",
+        "output_dir": out,
         "max_length": 160,
         "kv_weight": 1,
         "kv_warmup_steps": 0,
         "use_cpu": "true",
         "report_to": "none",
+        **extra,
     }
-    argv = [x for k, v in args.items() for x in (f"--{k}", str(v))]
-    return build_trainer(parse_config(argv))
+    return build_trainer(parse_config([x for k, v in args.items() for x in (f"--{k}", str(v))]))
+
+
+@pytest.fixture(scope="module")
+def two_teachers(tiny_world, tmp_path_factory):
+    return _two_teacher_trainer(tiny_world, tmp_path_factory.mktemp("loss_math") / "run")
 
 
 def _uneven_halves(trainer) -> tuple[list[dict], list[dict]]:
@@ -159,22 +163,8 @@ def test_trainer_ga_equals_one_big_batch(base_args, tmp_path):
 @pytest.fixture(scope="module")
 def all_terms(tiny_world, tmp_path_factory):
     """Every loss term on: CE, KV (two teachers), CODI and logit KD (the teacher sharing the tokenizer)."""
-    m = tiny_world.models
-    args = {
-        "student": m["student"],
-        "data": tiny_world.data_dir,
-        "max_samples": 32,
-        "teachers": f"[{{path: {m['qwen2_teacher']}}}, {{path: {m['llama_teacher_alt_tok']}, weight: 0.5}}]",
-        "output_dir": tmp_path_factory.mktemp("all_terms") / "run",
-        "max_length": 160,
-        "kv_weight": 1,
-        "kv_warmup_steps": 0,
-        "codi_weight": 1,
-        "logit_kd_weight": 1,
-        "use_cpu": "true",
-        "report_to": "none",
-    }
-    return build_trainer(parse_config([x for k, v in args.items() for x in (f"--{k}", str(v))]))
+    out = tmp_path_factory.mktemp("all_terms") / "run"
+    return _two_teacher_trainer(tiny_world, out, codi_weight=1, logit_kd_weight=1)
 
 
 def test_every_term_is_normalised_globally(all_terms):
