@@ -18,7 +18,7 @@ from kvdistill.cache import PAD
 from kvdistill.models import ModelLoadError
 from kvdistill.train.cli import main as train_main
 from kvdistill.train.config import ConfigError, parse_config
-from kvdistill.train.model import LossWeights, token_ce_sum
+from kvdistill.train.model import LossWeights, logit_kd_sum, token_ce_sum
 from kvdistill.train.run import build_trainer
 
 KEYS = ("input_ids", "attention_mask", "labels", "segment_ids", "index")
@@ -99,6 +99,27 @@ def _uneven_halves(trainer) -> tuple[list[dict], list[dict]]:
     ds = trainer.train_dataset
     recs = sorted((ds[i] for i in range(len(ds))), key=lambda r: len(r["answer"]))
     return recs[:2], recs[-2:]
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+def test_logit_kd_sum_math(kind):
+    torch.manual_seed(0)
+    s, t = torch.randn(3, 6, 11), torch.randn(3, 6, 11)  # [B, T, V]
+    labels = torch.randint(0, 11, (3, 6))
+    labels[0, :3] = -100  # a prompt: not distilled
+    assert float(logit_kd_sum(t, t, labels, kind, 2.0)) == pytest.approx(0.0, abs=1e-5)
+    valid = labels[:, 1:] != -100
+    ls, lt = s[:, :-1].log_softmax(-1)[valid], t[:, :-1].log_softmax(-1)[valid]  # [n, V]
+    ref = {  # torch's kl_div(input=log q, target=log p) = KL(p || q)
+        "forward_kl": torch.nn.functional.kl_div(ls, lt, log_target=True, reduction="sum"),
+        "reverse_kl": torch.nn.functional.kl_div(lt, ls, log_target=True, reduction="sum"),
+    }
+    if kind in ref:
+        torch.testing.assert_close(logit_kd_sum(s, t, labels, kind, 1.0), ref[kind])
+    # per-sample weights: the weighted sum of the per-sample divergences
+    w = torch.tensor([0.0, 0.25, 1.0])
+    per_sample = torch.stack([logit_kd_sum(s[i : i + 1], t[i : i + 1], labels[i : i + 1], kind, 1.0) for i in range(3)])
+    torch.testing.assert_close(logit_kd_sum(s, t, labels, kind, 1.0, w), (w * per_sample).sum())
 
 
 # ------------------------------------------------------------------ (a) gradient accumulation
@@ -406,6 +427,17 @@ def test_untrained_teacher_control(base_args, tiny_world):
     trainer.train()
     assert trainer.state.global_step == 2
     assert torch.equal(teacher.model.state_dict()[w], used[w])  # frozen through training
+
+
+def test_fixed_projector_stays_at_init_while_the_student_learns(base_args):
+    trainer = build_trainer(parse_config(_two_step_argv(base_args, projector_trainable=False)))
+    model = trainer.distill_model
+    aligner = {n: p.detach().clone() for n, p in model.aligners.named_parameters()}
+    student = {n: p.detach().clone() for n, p in model.student.named_parameters()}
+    assert aligner and not any(p.requires_grad for p in model.aligners.parameters())
+    trainer.train()
+    assert all(torch.equal(p, aligner[n]) for n, p in model.aligners.named_parameters())
+    assert any(not torch.equal(p, student[n]) for n, p in model.student.named_parameters())
 
 
 def test_teacher_offload(base_args, monkeypatch):

@@ -15,16 +15,18 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
+from kvdistill.align.aligner import DIRECTIONS
+from kvdistill.align.aligner import MODES as HEAD_MODES
+from kvdistill.align.projectors import PROJECTOR_KINDS as PROJECTORS
+from kvdistill.align.time import TIME_MODES
 from kvdistill.data import DEFAULT_TEMPLATE
+from kvdistill.fusion import FUSIONS
+from kvdistill.losses import LOSSES
 
-TIME_MODES = ("segment", "global", "index")
+# the config's names for the layer map: "cka" reads each teacher's JSON (the aligner's "json" kind)
 LAYER_MAPS = ("proportional", "last_k", "cka")
-HEAD_MODES = ("flat", "structured")
-PROJECTORS = ("linear", "elastic")
-KV_LOSSES = ("mse", "smooth_l1", "cosine", "mercator", "hybrid", "structural")
-FUSIONS = ("loss_sum", "kv_mean", "learned", "correctness")
+KV_LOSSES = tuple(LOSSES)
 LOGIT_KD = ("forward_kl", "reverse_kl", "jsd")
-DIRECTIONS = ("teacher_to_student", "student_to_teacher")
 
 
 class ConfigError(ValueError):
@@ -90,6 +92,8 @@ class KVDistillConfig(TrainingArguments):
     projector_dropout: float = _f(0.0, "Dropout inside the elastic projector.")
     projector_init: str = _f("xavier", "Projector init: xavier | orthogonal | identity.")
     share_layers: bool = _f(True, "One K and one V projector shared across layers (else one per layer).")
+    projector_trainable: bool = _f(True, "Train projectors and head mixers (False: fixed at their init, so the "
+                                   "projector cannot chase the student and only the student moves).")
     direction: str = _f("teacher_to_student", f"Which side is projected: {DIRECTIONS}.")
     key_space: str = _f("post_rope", "Keys as cached (post_rope) or before RoPE (pre_rope).")
     # ---- losses
@@ -237,7 +241,7 @@ def _suggest(key: str, valid: Any) -> str:
 def parse_config(argv: list[str] | None = None) -> KVDistillConfig:
     """`--config x.yaml` plus `--key value` overrides -> `KVDistillConfig` (CLI wins over YAML)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(KVDistillConfig)
+    parser = HfArgumentParser(KVDistillConfig, prog="kvdistill train")
     parser.add_argument("--config", default=None, help="YAML config file; CLI flags override its values.")
     valid = {a.dest for a in parser._actions}
     config_path = None

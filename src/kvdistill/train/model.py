@@ -38,10 +38,14 @@ def token_ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
     )
 
 
-def logit_kd_sum(student: Tensor, teacher: Tensor, labels: Tensor, kind: str, temperature: float) -> Tensor:
+def logit_kd_sum(
+    student: Tensor, teacher: Tensor, labels: Tensor, kind: str, temperature: float,
+    sample_weight: Tensor | None = None,
+) -> Tensor:
     """Sum over labelled positions of a divergence between teacher and student next-token dists.
 
-    student, teacher: `[B, T, V]` logits on the same tokens; labels `[B, T]`.
+    student, teacher: `[B, T, V]` logits on the same tokens; labels `[B, T]`; sample_weight `[B]`
+    scales each sample's terms (per-sample fusion weights; None: all 1).
     """
     V = min(student.shape[-1], teacher.shape[-1])  # embedding matrices are often padded past the vocab
     s = F.log_softmax(student[:, :-1, :V].float() / temperature, -1)  # [B, T-1, V]
@@ -54,6 +58,8 @@ def logit_kd_sum(student: Tensor, teacher: Tensor, labels: Tensor, kind: str, te
         m = torch.logsumexp(torch.stack([s, t]), 0) - torch.log(torch.tensor(2.0))
         div = 0.5 * ((s.exp() * (s - m)).sum(-1) + (t.exp() * (t - m)).sum(-1))
     valid = (labels[:, 1:] != -100).float()  # [B, T-1]
+    if sample_weight is not None:
+        valid = valid * sample_weight[:, None]
     return (div * valid).sum() * temperature**2
 
 
@@ -157,7 +163,7 @@ class KVDistillModel(nn.Module):
             metrics["codi"] = (codi / input_ids.shape[0]).detach()
         if w.logit_kd > 0 and teacher_logits:
             kd = sum(
-                sample_w[:, names.index(n)].mean() * logit_kd_sum(out.logits, t, labels, w.logit_kd_kind, w.temperature)
+                logit_kd_sum(out.logits, t, labels, w.logit_kd_kind, w.temperature, sample_w[:, names.index(n)])
                 for n, t in teacher_logits.items()
             )
             loss = loss + w.logit_kd * kd / n_ce

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from accelerate import PartialState
 from transformers import set_seed
 
 from kvdistill.align.aligner import KVAligner
@@ -54,22 +55,32 @@ def _layer_map(cfg: KVDistillConfig, spec, student, teacher) -> torch.Tensor:
 
 
 def teacher_correctness(cfg: KVDistillConfig, teachers: TeacherSet, records: list[dict]) -> torch.Tensor:
-    """`[num_records, N]` 0/1: did each teacher's greedy answer match the gold one (cached on disk)."""
+    """`[num_records, N]` 0/1: did each teacher's greedy answer match the gold one (cached on disk).
+
+    Under several processes the main one answers and writes the cache first; the others wait
+    (`main_process_first`) and read it, so no two ranks write the file at once.
+    """
     from kvdistill.evaluate.eval import evaluate_model
 
+    state = PartialState()
     cache = Path(cfg.output_dir) / "teacher_correctness.json"
-    stored = json.loads(cache.read_text()) if cache.exists() else {}
     cols = []
-    for t in teachers:
-        key = f"{t.name}:{t.config_hash}:{len(records)}"
-        if key not in stored:
-            logger.info("fusion=correctness: answering %d training problems with teacher %s", len(records), t.name)
-            res = evaluate_model(t.model, t.tokenizer, records, batch_size=16, max_new_tokens=cfg.max_length,
-                                 template=cfg.prompt_template, perplexity=False)
-            stored[key] = [int(it["correct"]) for it in res["items"]]
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(stored))
-        cols.append(torch.tensor(stored[key], dtype=torch.float32))
+    with state.main_process_first():
+        stored = json.loads(cache.read_text()) if cache.exists() else {}
+        for t in teachers:
+            key = f"{t.name}:{t.config_hash}:{len(records)}"
+            if key not in stored:
+                logger.info("fusion=correctness: answering %d training problems with teacher %s",
+                            len(records), t.name)
+                res = evaluate_model(t.model, t.tokenizer, records, batch_size=16, max_new_tokens=cfg.max_length,
+                                     template=cfg.prompt_template, perplexity=False)
+                stored[key] = [int(it["correct"]) for it in res["items"]]
+                if state.is_main_process:
+                    cache.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = cache.with_suffix(".tmp")
+                    tmp.write_text(json.dumps(stored))
+                    tmp.replace(cache)  # atomic: a killed run never leaves half a file
+            cols.append(torch.tensor(stored[key], dtype=torch.float32))
     return torch.stack(cols, 1)
 
 
@@ -111,6 +122,7 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
                 mlp_ratio=s.mlp_ratio if s.mlp_ratio is not None else cfg.mlp_ratio,
                 dropout=s.projector_dropout if s.projector_dropout is not None else cfg.projector_dropout,
                 init=s.projector_init or cfg.projector_init, share_layers=cfg.share_layers, direction=cfg.direction,
+                trainable=cfg.projector_trainable,
             )
             aligner.setup(tkv, skv)
             aligners[t.name] = aligner
