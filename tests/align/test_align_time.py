@@ -117,3 +117,11 @@ def test_resample_kv_is_time_major_resample_with_layer_pick():
     ref = resample(x, idx, time_dim=3).transpose(2, 3)  # [L, B, T_s, H, D]
     torch.testing.assert_close(resample_kv(x, idx), ref)
     torch.testing.assert_close(resample_kv(x, idx, torch.tensor([3, 0, 0])), ref[[3, 0, 0]])
+    # a non-contiguous cache (e.g. a transposed view) reads the same rows
+    x_nc = x.transpose(3, 4).contiguous().transpose(3, 4)
+    assert not x_nc.is_contiguous()
+    torch.testing.assert_close(resample_kv(x_nc, idx), ref)
+    # gradients flow back to the source rows when the cache needs them
+    x_g = x.clone().requires_grad_()
+    resample_kv(x_g, idx).sum().backward()
+    assert x_g.grad is not None and x_g.grad[:, 0, :, 5:].abs().sum() == 0  # padded teacher rows unused
