@@ -1,0 +1,45 @@
+"""Every config file the repository ships names only options that exist.
+
+Paths inside them (outputs/demo/...) are made by the demo, so the files are checked by their
+keys, not run: a renamed or misspelt option fails here instead of minutes into an ablation.
+"""
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvdistill.evaluate.ablate import load_ablation_config, train_config_for
+from kvdistill.train.config import KVDistillConfig, TeacherConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TRAIN_KEYS = {f.name for f in fields(KVDistillConfig)}
+TEACHER_KEYS = {f.name for f in fields(TeacherConfig)}
+ABLATIONS = sorted(CONFIGS.glob("**/ablation*.yaml"))
+TRAIN_YAMLS = sorted(p for p in CONFIGS.glob("**/*.yaml") if "accelerate" not in p.parts and p not in ABLATIONS)
+
+
+def _check_train_config(cfg: dict, where: str) -> None:
+    unknown = set(cfg) - TRAIN_KEYS
+    assert not unknown, f"{where}: unknown options {sorted(unknown)}"
+    for teacher in cfg.get("teachers") or []:
+        assert not set(teacher) - TEACHER_KEYS, f"{where}: unknown teacher keys {set(teacher) - TEACHER_KEYS}"
+
+
+def test_there_are_configs_to_check():
+    assert len(TRAIN_YAMLS) >= 5 and len(ABLATIONS) >= 2
+
+
+@pytest.mark.parametrize("path", TRAIN_YAMLS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_train_config_keys_exist(path):
+    _check_train_config(yaml.safe_load(path.read_text()) or {}, str(path))
+
+
+@pytest.mark.parametrize("path", ABLATIONS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_every_ablation_run_has_valid_keys(path):
+    cfg = load_ablation_config(path)
+    assert len(cfg.variants) >= 2
+    for variant in cfg.variants:
+        for seed in cfg.seeds:
+            _check_train_config(train_config_for(cfg, variant, seed), f"{path}:{variant.name}:{seed}")
