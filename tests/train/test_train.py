@@ -113,8 +113,10 @@ def test_resume_with_other_teachers_is_an_error(base_args, tiny_world, tmp_path)
 
 @pytest.mark.slow
 def test_two_process_ddp_ranks_agree(base_args, tmp_path):
+    # fusion: correctness also checks that the ranks share one teacher-answer cache (rank 0 writes it)
     out = tmp_path / "ddp"
-    argv = base_args(output_dir=out, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    argv = base_args(output_dir=out, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                     fusion="correctness", max_samples=16)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "kvdistill.cli",
            "train", *argv]
@@ -124,3 +126,6 @@ def test_two_process_ddp_ranks_agree(base_args, tmp_path):
     ranks = [json.loads((out / "ranks" / f"rank{i}.json").read_text()) for i in range(2)]
     assert ranks[0]["param_checksum"] == pytest.approx(ranks[1]["param_checksum"], rel=1e-9)
     assert ranks[0]["logged_loss"] == pytest.approx(ranks[1]["logged_loss"], rel=1e-9)
+    (answers,) = json.loads((out / "teacher_correctness.json").read_text()).values()
+    assert len(answers) == 16 and set(answers) <= {0, 1}
+    assert not (out / "teacher_correctness.tmp").exists()
