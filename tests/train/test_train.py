@@ -128,4 +128,4 @@ def test_two_process_ddp_ranks_agree(base_args, tmp_path):
     assert ranks[0]["logged_loss"] == pytest.approx(ranks[1]["logged_loss"], rel=1e-9)
     (answers,) = json.loads((out / "teacher_correctness.json").read_text()).values()
     assert len(answers) == 16 and set(answers) <= {0, 1}
-    assert not (out / "teacher_correctness.tmp").exists()
+    assert not (out / "teacher_correctness.json.tmp").exists()

@@ -345,6 +345,13 @@ def evaluate_model(
     return summary
 
 
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file and a rename: a killed run never leaves half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    return tmp.replace(path)
+
+
 def write_results(result: Mapping[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
     """Write `items.jsonl` (one row per question) and `summary.json` (everything else).
 
@@ -357,9 +364,7 @@ def write_results(result: Mapping[str, Any], out_dir: str | Path) -> tuple[Path,
         for row in result.get("items", []):
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
     summary = {k: v for k, v in result.items() if k != "items"}
-    tmp = summary_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, ensure_ascii=False))
-    tmp.replace(summary_path)
+    write_text_atomic(summary_path, json.dumps(summary, indent=2, ensure_ascii=False))
     return items_path, summary_path
 
 

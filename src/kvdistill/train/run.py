@@ -60,7 +60,7 @@ def teacher_correctness(cfg: KVDistillConfig, teachers: TeacherSet, records: lis
     Under several processes the main one answers and writes the cache first; the others wait
     (`main_process_first`) and read it, so no two ranks write the file at once.
     """
-    from kvdistill.evaluate.eval import evaluate_model
+    from kvdistill.evaluate.eval import evaluate_model, write_text_atomic
 
     state = PartialState()
     cache = Path(cfg.output_dir) / "teacher_correctness.json"
@@ -77,9 +77,7 @@ def teacher_correctness(cfg: KVDistillConfig, teachers: TeacherSet, records: lis
                 stored[key] = [int(it["correct"]) for it in res["items"]]
                 if state.is_main_process:
                     cache.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = cache.with_suffix(".tmp")
-                    tmp.write_text(json.dumps(stored))
-                    tmp.replace(cache)  # atomic: a killed run never leaves half a file
+                    write_text_atomic(cache, json.dumps(stored))
             cols.append(torch.tensor(stored[key], dtype=torch.float32))
     return torch.stack(cols, 1)
 
