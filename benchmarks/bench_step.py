@@ -49,11 +49,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config
 
 from kvdistill.models import load_tokenizer
 from kvdistill.profile import measure
-from kvdistill.testing import build_tiny_world
+from kvdistill.testing import build_tiny_world, save_random_model
 from kvdistill.train.config import parse_config
 from kvdistill.train.model import token_ce_sum
 from kvdistill.train.run import build_trainer
@@ -90,14 +90,9 @@ def make_pair(root: Path, tokenizer_dir: Path, sizes: dict[str, tuple]) -> dict[
             num_key_value_heads=kv_heads,
             max_position_embeddings=512,
             tie_word_embeddings=True,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            bos_token_id=tok.bos_token_id,
         )
         torch.manual_seed(i)
-        paths[name] = root / name
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(paths[name])
-        tok.save_pretrained(paths[name])
+        paths[name] = save_random_model(cfg, tok, root / name)
     return paths
 
 

@@ -63,9 +63,9 @@ def config_path(name: str) -> Path:
 
 def build_models(out: Path, train_texts: list[str], seed: int = 0) -> dict[str, Path]:
     """A small BPE tokenizer (digits split into single tokens) and random-init models, saved."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from kvdistill.testing import build_tokenizer
+    from kvdistill.testing import build_tokenizer, save_random_model
 
     paths = {name: out / "init" / name for name in ARCHS}
     if all((p / "config.json").exists() for p in paths.values()):
@@ -73,11 +73,9 @@ def build_models(out: Path, train_texts: list[str], seed: int = 0) -> dict[str, 
     tok = build_tokenizer(train_texts, vocab_size=384, split_digits=True)
     for i, (name, (model_type, sizes)) in enumerate(ARCHS.items()):
         cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), max_position_embeddings=512,
-                                   tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
-                                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, **sizes)
+                                   tie_word_embeddings=True, **sizes)
         torch.manual_seed(seed + i)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(paths[name])
-        tok.save_pretrained(paths[name])
+        save_random_model(cfg, tok, paths[name])
     return paths
 
 

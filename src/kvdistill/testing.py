@@ -19,6 +19,8 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
@@ -78,6 +80,19 @@ def tiny_configs(vocab: int, alt_vocab: int) -> dict[str, tuple[object, str]]:
     }
 
 
+def save_random_model(cfg: PretrainedConfig, tok: PreTrainedTokenizerBase, path: Path) -> Path:
+    """A random-init causal LM of `cfg` using `tok`'s special tokens, saved with `tok` at `path`.
+
+    Seeding is the caller's: the weights come from torch's global RNG.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tok.eos_token_id, tok.pad_token_id, tok.bos_token_id
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 @dataclass
 class TinyWorld:
     """Paths of the fixtures: models (each dir also holds its tokenizer), tokenizers, data."""
@@ -93,8 +108,6 @@ def build_tiny_world(root: str | Path, seed: int = 0, n_train: int = 256, n_test
 
     Idempotent: a finished world (its `world.json`) is reused.
     """
-    from transformers import AutoModelForCausalLM
-
     root = Path(root)
     manifest = root / "world.json"
     if manifest.exists():
@@ -114,12 +127,7 @@ def build_tiny_world(root: str | Path, seed: int = 0, n_train: int = 256, n_test
 
     torch.manual_seed(seed)
     for name, (cfg, tok_name) in tiny_configs(len(toks["bpe"]), len(toks["bpe_alt"])).items():
-        tok = toks[tok_name]
-        cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tok.eos_token_id, tok.pad_token_id, tok.bos_token_id
-        model = AutoModelForCausalLM.from_config(cfg)
-        world.models[name] = root / "models" / name
-        model.save_pretrained(world.models[name])
-        tok.save_pretrained(world.models[name])
+        world.models[name] = save_random_model(cfg, toks[tok_name], root / "models" / name)
     manifest.write_text(json.dumps({
         "models": {k: str(v) for k, v in world.models.items()},
         "tokenizers": {k: str(v) for k, v in world.tokenizers.items()},
