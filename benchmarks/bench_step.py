@@ -51,11 +51,11 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
+from kvdistill.losses import token_ce_sum
 from kvdistill.models import load_tokenizer
 from kvdistill.profile import measure
 from kvdistill.testing import build_tiny_world, save_random_model
 from kvdistill.train.config import parse_config
-from kvdistill.train.model import token_ce_sum
 from kvdistill.train.run import build_trainer
 
 TARGET = 1.10

@@ -11,13 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvdistill.align.aligner import KVAligner
-from kvdistill.cache import ANSWER, PAD, KeySpace, KVCache, forward_with_kv
+from kvdistill.cache import PAD, KeySpace, KVCache, forward_with_kv
 from kvdistill.fusion import TeacherFusion, fuse_kv
-from kvdistill.losses import aligned_kv_loss
+from kvdistill.losses import aligned_kv_loss, answer_position, codi_sum, logit_kd_sum, token_ce_sum
 
 
 @dataclass
@@ -29,44 +28,6 @@ class LossWeights:
     logit_kd: float = 0.0
     logit_kd_kind: str = "forward_kl"
     temperature: float = 1.0
-
-
-def token_ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
-    """Sum of next-token CE over labelled positions, in fp32. logits `[B, T, V]`, labels `[B, T]`."""
-    return F.cross_entropy(
-        logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
-    )
-
-
-def logit_kd_sum(
-    student: Tensor, teacher: Tensor, labels: Tensor, kind: str, temperature: float,
-    sample_weight: Tensor | None = None,
-) -> Tensor:
-    """Sum over labelled positions of a divergence between teacher and student next-token dists.
-
-    student, teacher: `[B, T, V]` logits on the same tokens; labels `[B, T]`; sample_weight `[B]`
-    scales each sample's terms (per-sample fusion weights; None: all 1).
-    """
-    V = min(student.shape[-1], teacher.shape[-1])  # embedding matrices are often padded past the vocab
-    s = F.log_softmax(student[:, :-1, :V].float() / temperature, -1)  # [B, T-1, V]
-    t = F.log_softmax(teacher[:, :-1, :V].float() / temperature, -1)
-    if kind == "forward_kl":  # KL(t || s): mode-covering
-        div = (t.exp() * (t - s)).sum(-1)
-    elif kind == "reverse_kl":  # KL(s || t): mode-seeking
-        div = (s.exp() * (s - t)).sum(-1)
-    else:  # Jensen-Shannon, beta = 0.5
-        m = torch.logsumexp(torch.stack([s, t]), 0) - torch.log(torch.tensor(2.0))
-        div = 0.5 * ((s.exp() * (s - m)).sum(-1) + (t.exp() * (t - m)).sum(-1))
-    valid = (labels[:, 1:] != -100).float()  # [B, T-1]
-    if sample_weight is not None:
-        valid = valid * sample_weight[:, None]
-    return (div * valid).sum() * temperature**2
-
-
-def answer_position(segment_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Index of the first answer token per sample `[B]`, and whether there is one `[B]`."""
-    is_answer = segment_ids == ANSWER  # [B, T]
-    return is_answer.float().argmax(1), is_answer.any(1)
 
 
 class KVDistillModel(nn.Module):
@@ -199,23 +160,16 @@ class KVDistillModel(nn.Module):
             metrics[f"cos_layer/{name}/{layer}"] = c
 
     def _codi(self, names, teacher_kvs, hidden, segment_ids, sample_w) -> Tensor:
-        """CODI: smooth-L1 between the student's last hidden state at the answer marker and the
-        projected teacher's, scaled by the target's std (as in the CODI paper).
-
-        Returns the *sum* over samples of the fusion-weighted teacher terms (the caller divides by
-        the global sample count, so gradient accumulation does not change it); per-sample std, so
-        a sample's term does not depend on the rest of its micro-batch."""
+        """CODI (`losses.codi_sum`) summed over teachers, each fusion-weighted per sample."""
         pos_s, has_s = answer_position(segment_ids)
         b = torch.arange(pos_s.shape[0], device=pos_s.device)
-        h_s = hidden[-1][b, pos_s].float()  # [B, d_s]
-        total = h_s.new_zeros(())
+        h_s = hidden[-1][b, pos_s]  # [B, d_s]
+        total = h_s.new_zeros((), dtype=torch.float32)
         for i, n in enumerate(names):
             tkv = teacher_kvs[n]
             pos_t, has_t = answer_position(tkv.segment_ids)
             h_t = self.codi[n](tkv.hidden_states[-1][b, pos_t].float())  # [B, d_s]
-            per = F.smooth_l1_loss(h_s, h_t, reduction="none").mean(-1) / h_t.std(-1).detach().clamp(min=1e-6)
-            valid = (has_s & has_t).float() * sample_w[:, i]  # [B]
-            total = total + (per * valid).sum()
+            total = total + codi_sum(h_s, h_t, (has_s & has_t).float() * sample_w[:, i])
         return total
 
 

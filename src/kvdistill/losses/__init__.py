@@ -1,0 +1,25 @@
+"""Every loss term of kvdistill, on plain tensors; the training model only weights and sums them.
+
+| module | terms |
+|---|---|
+| `kv` | projected KV matching: mse, smooth_l1, cosine, mercator, hybrid, structural (`KVLoss`) |
+| `relation` | MiniLMv2-style self-relation KL over time (no projector) |
+| `logits` | the student's LM cross-entropy, logit KD (forward/reverse KL, JSD) |
+| `hidden` | CODI hidden-state alignment at the answer marker |
+"""
+
+from kvdistill.losses.hidden import answer_position, codi_sum
+from kvdistill.losses.kv import LOSSES, KVLoss, aligned_kv_loss, build_kv_loss
+from kvdistill.losses.logits import LOGIT_KD_KINDS, logit_kd_sum, token_ce_sum
+
+__all__ = [
+    "LOGIT_KD_KINDS",
+    "LOSSES",
+    "KVLoss",
+    "aligned_kv_loss",
+    "answer_position",
+    "build_kv_loss",
+    "codi_sum",
+    "logit_kd_sum",
+    "token_ce_sum",
+]
