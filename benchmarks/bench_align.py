@@ -33,8 +33,8 @@ from torch import Tensor
 
 from kvdistill.align.aligner import KVAligner
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING, KVCache
+from kvdistill.commands.profile import measure
 from kvdistill.losses import aligned_kv_loss, build_kv_loss
-from kvdistill.profile import measure
 
 FULL = {"L_t": 28, "H_t": 4, "D_t": 128, "L_s": 24, "H_s": 2, "D_s": 64, "B": 2, "T_s": 512, "T_t": 600}
 QUICK = {"L_t": 6, "H_t": 4, "D_t": 32, "L_s": 4, "H_s": 2, "D_s": 16, "B": 2, "T_s": 64, "T_t": 80}

@@ -28,7 +28,7 @@ how many cores happen to be free; the optimizer step is outside both timings (it
 Memory: peak bytes allocated *during* one step above what was allocated before it (weights are
 not counted; activations, KV stacks, aligned targets and gradients are). CUDA:
 `torch.cuda.max_memory_allocated`; CPU: the running sum of `torch.profiler` memory events
-(`kvdistill.profile.measure`). `tracemalloc` cannot see torch's CPU allocator, and `ru_maxrss`
+(`kvdistill.commands.profile.measure`). `tracemalloc` cannot see torch's CPU allocator, and `ru_maxrss`
 is a process-wide high-water mark that warm-up already pushed up. Process max RSS is reported for
 context only.
 
@@ -51,12 +51,12 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
+from kvdistill.commands.profile import measure
+from kvdistill.commands.train import build_trainer
 from kvdistill.losses import token_ce_sum
 from kvdistill.models import load_tokenizer
-from kvdistill.profile import measure
-from kvdistill.testing import build_tiny_world, save_random_model
+from kvdistill.tiny import build_tiny_world, save_random_model
 from kvdistill.train.config import parse_config
-from kvdistill.train.run import build_trainer
 
 TARGET = 1.10
 BATCH = 2  # the recipe's per_device_train_batch_size

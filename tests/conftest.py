@@ -23,6 +23,6 @@ def _seed() -> None:
 @pytest.fixture(scope="session")
 def tiny_world(tmp_path_factory):
     """Tokenizers, tiny random-init models and data saved to disk, loaded like a user would."""
-    from kvdistill.testing import build_tiny_world
+    from kvdistill.tiny import build_tiny_world
 
     return build_tiny_world(tmp_path_factory.mktemp("tiny_world"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvdistill.evaluate.ablate import load_ablation_config, train_config_for
+from kvdistill.commands.ablate import load_ablation_config, train_config_for
 from kvdistill.train.config import KVDistillConfig, TeacherConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

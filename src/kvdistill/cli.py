@@ -1,8 +1,10 @@
-"""`kvdistill` command line: parses the sub-command and hands the rest to one function.
+"""`kvdistill` command line: parses the sub-command and hands the rest to one command module.
 
-Each command lives in its own module with a `main(argv) -> int`; modules are imported only
-when their command runs, so `kvdistill --help` stays fast and a broken optional dependency
-of one command does not break the others.
+Each command is a module of `kvdistill.commands` with a `main(argv) -> int`; modules are imported
+only when their command runs, so `kvdistill --help` stays fast and a broken optional dependency
+of one command does not break the others. The dispatcher owns the error policy: a problem with
+the user's input (`ConfigError`, `DataError`, `ModelLoadError`, ...) prints one line naming the
+problem and the fix and exits 2; `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -15,24 +17,33 @@ from kvdistill import __version__
 
 # name -> (module with `main(argv)`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "smoke": ("kvdistill.testing", "build the tiny offline fixtures and print their KV shapes"),
-    "demo": ("kvdistill.demo", "the embedded default: teachers -> layer maps -> students -> report (CPU, offline)"),
-    "train": ("kvdistill.train.cli", "multi-teacher KV-distillation training (transformers.Trainer)"),
-    "eval": ("kvdistill.evaluate.eval", "GSM8K-style accuracy and perplexity of a causal LM"),
-    "ablate": ("kvdistill.evaluate.ablate", "run variants x seeds, write ablation.md with paired tests"),
-    "layer-map": ("kvdistill.align.layer_map", "CKA between student and teacher layers -> top-k map JSON + heatmap"),
-    "profile": ("kvdistill.profile", "shapes, time and memory of each alignment stage for a model pair"),
-    "ab-projector": ("kvdistill.ab_projector", "Linear vs Elastic Bottleneck projector A/B test (seed 000)"),
-    "gen-data": ("kvdistill.synthetic", "write a synthetic GSM8K-format arithmetic dataset (jsonl)"),
-    "bench": ("kvdistill.bench", "benchmarks: alignment, CKA and step overhead -> JSON + Markdown"),
+    "train": ("kvdistill.commands.train", "multi-teacher KV-distillation training (transformers.Trainer)"),
+    "eval": ("kvdistill.commands.eval", "GSM8K-style accuracy and perplexity of a causal LM"),
+    "ablate": ("kvdistill.commands.ablate", "run variants x seeds, write ablation.md with paired tests"),
+    "layer-map": ("kvdistill.commands.layer_map", "CKA between student and teacher layers -> top-k layer map JSON + heatmap"),
+    "demo": ("kvdistill.commands.demo", "the embedded default: teachers -> layer maps -> students -> report (CPU, offline)"),
+    "profile": ("kvdistill.commands.profile", "shapes, time and memory of each alignment stage for a model pair"),
+    "ab-projector": ("kvdistill.commands.ab_projector", "Linear vs Elastic Bottleneck projector A/B test (seed 000)"),
+    "bench": ("kvdistill.commands.bench", "benchmarks: alignment, CKA and step overhead -> JSON + Markdown"),
+    "gen-data": ("kvdistill.commands.gen_data", "write a synthetic GSM8K-format arithmetic dataset (jsonl)"),
+    "smoke": ("kvdistill.commands.smoke", "build the tiny offline fixtures and print their KV shapes"),
 }
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Exceptions that mean bad input, not a bug: reported in one line."""
+    from kvdistill.config import ConfigError
+    from kvdistill.data import DataError
+    from kvdistill.models import ModelLoadError
+
+    return (ConfigError, DataError, ModelLoadError)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvdistill",
         description="Multi-teacher KV-cache distillation with 4D (time, layer, head, dim) alignment.",
-        epilog="Run `kvdistill COMMAND --help` for a command's options.",
+        epilog="Run `kvdistill COMMAND --help` for a command's options; `--debug` shows tracebacks.",
     )
     parser.add_argument("--version", action="version", version=f"kvdistill {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -42,14 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     if not argv or argv[0] not in COMMANDS:
         parser.parse_args(argv)  # handles --help / --version / unknown commands
         parser.print_help()
         return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return int(module.main(argv[1:]) or 0)
+    try:
+        return int(module.main(argv[1:]) or 0)
+    except user_errors() as err:
+        if debug:
+            raise
+        print(f"kvdistill {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

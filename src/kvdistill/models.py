@@ -16,7 +16,15 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",
@@ -159,10 +167,56 @@ def config_hash(model_or_config: PreTrainedModel | PretrainedConfig | dict) -> s
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def model_device(model: Any) -> torch.device:
+    """The device a model's weights are on (its `.device`, else its first parameter's, else CPU)."""
+    device = getattr(model, "device", None)
+    if device is not None:
+        return torch.device(device)
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
 def num_layers(model: PreTrainedModel) -> int:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
 
 
-def param_count(module: torch.nn.Module, trainable_only: bool = False) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+# ----------------------------------------------------------------------------- building from scratch
+
+SPECIAL = {"eos_token": "</s>", "pad_token": "<pad>", "bos_token": "<s>", "unk_token": "<unk>"}
+
+
+def build_tokenizer(texts: list[str], vocab_size: int, split_digits: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `texts`; different sizes give different token counts.
+
+    `split_digits=True` keeps every digit its own token (as Llama/Qwen tokenizers do), which makes
+    arithmetic learnable for tiny models while words still merge into short sequences.
+    """
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits else byte_level
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
+
+
+def save_random_model(cfg: PretrainedConfig, tok: PreTrainedTokenizerBase, path: Path) -> Path:
+    """A random-init causal LM of `cfg` using `tok`'s special tokens, saved with `tok` at `path`.
+
+    Seeding is the caller's: the weights come from torch's global RNG.
+    """
+    cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tok.eos_token_id, tok.pad_token_id, tok.bos_token_id
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -7,7 +7,6 @@ Everything is deterministic in the seed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from collections.abc import Iterable, Sequence
@@ -93,22 +92,3 @@ def write_dataset(out_dir: str | Path, n_train: int, n_test: int, seed: int = 0,
     write_jsonl(train, out_dir / "train.jsonl")
     write_jsonl(test, out_dir / "test.jsonl")
     return out_dir
-
-
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvdistill gen-data", description=__doc__)
-    p.add_argument("--out", required=True, help="output directory (train.jsonl, test.jsonl)")
-    p.add_argument("--n-train", type=int, default=2000)
-    p.add_argument("--n-test", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--min-steps", type=int, default=2)
-    p.add_argument("--max-steps", type=int, default=3)
-    p.add_argument("--max-value", type=int, default=20)
-    p.add_argument("--ops", default="add,sub", help=f"comma-separated subset of {OPS}")
-    a = p.parse_args(argv)
-    out = write_dataset(
-        a.out, a.n_train, a.n_test, a.seed,
-        min_steps=a.min_steps, max_steps=a.max_steps, max_value=a.max_value, ops=a.ops.split(","),
-    )
-    print(f"wrote {a.n_train} train / {a.n_test} test problems to {out}")
-    return 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvdistill.align.aligner import KVAligner
-from kvdistill.align.layers import last_k_map
+from kvdistill.align.layer_map import last_k_map
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING, KVCache
 
 

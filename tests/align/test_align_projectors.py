@@ -11,8 +11,8 @@ from kvdistill.align.projectors import (
     ElasticBottleneck,
     LinearProjector,
     build_projector,
-    param_count,
 )
+from kvdistill.report import param_count
 
 
 def test_reference_sizes_seed_001():

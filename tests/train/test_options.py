@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kvdistill.commands.train import build_trainer
+from kvdistill.commands.train import main as train_main
 from kvdistill.models import ModelLoadError
-from kvdistill.train.cli import main as train_main
 from kvdistill.train.config import ConfigError, parse_config
-from kvdistill.train.run import build_trainer
 
 
 def _rows(run: Path) -> list[dict]:
@@ -58,7 +58,7 @@ def test_fusion_kinds_train(fusion, base_args, tiny_world, tmp_path):
 
 
 def test_correctness_fusion_caches_teacher_answers(base_args, tiny_world, tmp_path, monkeypatch):
-    import kvdistill.evaluate.eval as ev
+    import kvdistill.evaluate.scoring as ev
 
     out = tmp_path / "correctness"
     argv = _two_step_argv(

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kvdistill.cache import PAD
+from kvdistill.commands.train import build_trainer
 from kvdistill.losses import token_ce_sum
 from kvdistill.train.config import parse_config
 from kvdistill.train.model import LossWeights
-from kvdistill.train.run import build_trainer
 
 KEYS = ("input_ids", "attention_mask", "labels", "segment_ids", "index")
 

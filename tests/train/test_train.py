@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvdistill.train.cli import main as train_main
+from kvdistill.commands.train import build_trainer
+from kvdistill.commands.train import main as train_main
 from kvdistill.train.config import parse_config
-from kvdistill.train.run import build_trainer
 
 
 def _rows(run: Path) -> list[dict]:

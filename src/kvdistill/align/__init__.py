@@ -9,17 +9,16 @@ from kvdistill.align.projectors import (
     ElasticBottleneck,
     LinearProjector,
     build_projector,
-    param_count,
 )
 from kvdistill.align.time import TIME_MODES, TimeIndex, resample, time_index
-from kvdistill.align.layers import (
+from kvdistill.align.layer_map import (
     LAYER_MAP_KINDS,
     apply_layer_map,
     build_layer_map,
     last_k_map,
     load_layer_map,
 )
-from kvdistill.align.layers import (
+from kvdistill.align.layer_map import (
     mapped_rows,
     proportional_map,
     read_layer_map,

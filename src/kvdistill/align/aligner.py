@@ -32,10 +32,11 @@ import torch
 from torch import Tensor, nn
 
 from kvdistill.align.heads import HeadMixer, HeadwiseProjector, time_major
-from kvdistill.align.layers import apply_layer_map, mapped_rows, proportional_map, validate_layer_map
-from kvdistill.align.projectors import PROJECTOR_KINDS, build_projector, param_count
+from kvdistill.align.layer_map import apply_layer_map, mapped_rows, proportional_map, validate_layer_map
+from kvdistill.align.projectors import PROJECTOR_KINDS, build_projector
 from kvdistill.align.time import TIME_MODES, TimeIndex, resample_kv, time_index
 from kvdistill.cache import KVCache
+from kvdistill.report import param_count
 
 ALIGNER_FORMAT = "kvdistill.aligner/v1"
 MODES = ("flat", "structured")

@@ -1,437 +1,231 @@
-"""`kvdistill layer-map`: which teacher layers each student layer learns from (CKA top-k).
+"""Layer (L) alignment: a mapping matrix `M [L_s, L_t]` mixes teacher layers into student layers.
 
-Runs the student and a teacher over the same texts (each with its own tokenizer), measures the
-linear CKA between every student layer and every teacher layer (`align.cka.StreamingCKA`, all
-pairs at once, minibatch by minibatch), keeps the top-k teacher layers per student layer and
-writes the map as layer-map JSON (`align.layers.save_layer_map`) with a heatmap PNG beside it.
+Row `l` of `M` holds the weights of the teacher layers that student layer `l` learns from; a row
+sums to 1, or is all zero when that student layer is not distilled (`last_k` leaves the lower
+layers unmapped). `apply_layer_map` is one einsum over the layer axis.
 
-When the teacher tokenizes the text differently, its per-token features are resampled onto the
-student's tokens with the segment-aware time alignment (`align.time`) before they are compared,
-so the CKA rows are the student's tokens on both sides. With `--pooling mean` each model averages
-its own tokens per sample and no resampling is needed.
-
-Output names: one teacher writes `--out` (e.g. `map.json`) and `map.png`; several teachers write
-one map each, `map.<teacher-name>.json` / `.png`, where the teacher name is the last component of
-its path or Hub id (the name the trainer gives a teacher by default).
-
-Example:
-    kvdistill layer-map --student Qwen/Qwen2.5-0.5B --teacher Qwen/Qwen2-1.5B Qwen/Qwen2-7B \\
-        --data openai/gsm8k --samples 100 --top-k 2 --debiased --monotonic --out maps/qwen.json
+Builders:
+    proportional: student layer l -> teacher layer `floor(l * (L_t - 1) / (L_s - 1) + 0.5)`
+        (round half up; a one-layer student maps to the teacher's last layer).
+    last_k: the student's last k layers -> the teacher's last k layers, one to one, aligned at the
+        top (student L_s-1 <-> teacher L_t-1, ...); the other student layers are unmapped.
+    json: a map saved by `save_layer_map` (e.g. the CKA top-k map of `kvdistill layer-map`).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
-import gc
 import json
-import random
-import re
-import sys
-from collections.abc import Mapping, Sequence
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from kvdistill.align.cka import POOLINGS, StreamingCKA, pool_features, topk_layer_map
-from kvdistill.align.heads import flatten_heads
-from kvdistill.align.layers import save_layer_map
-from kvdistill.align.time import resample, time_index
-from kvdistill.cache import extract_kv
-from kvdistill.data import DEFAULT_TEMPLATE, DistillCollator
-
-REPRESENTATIONS = ("hidden", "keys", "values")
+LAYER_MAP_FORMAT = "kvdistill.layer_map/v1"
+LAYER_MAP_KINDS = ("proportional", "last_k", "json")
+_ROW_TOL = 1e-4
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+def proportional_map(L_s: int, L_t: int) -> Tensor:
+    """One-hot `[L_s, L_t]`: student layer l -> teacher layer `round(l * (L_t - 1) / (L_s - 1))`."""
+    _check_counts(L_s, L_t)
+    if L_s == 1:
+        cols = [L_t - 1]
+    else:
+        cols = [math.floor(i * (L_t - 1) / (L_s - 1) + 0.5) for i in range(L_s)]
+    M = torch.zeros(L_s, L_t)
+    M[torch.arange(L_s), torch.tensor(cols)] = 1.0
+    return M
 
 
-def _model_name(model: nn.Module) -> str:
-    return str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")
+def last_k_map(L_s: int, L_t: int, k: int) -> Tensor:
+    """`[L_s, L_t]`: student layer `L_s - j` <- teacher layer `L_t - j` for j = 1..k; other rows zero."""
+    _check_counts(L_s, L_t)
+    if not 1 <= k <= min(L_s, L_t):
+        raise ValueError(f"last_k needs 1 <= k <= min(L_s={L_s}, L_t={L_t}), got k={k}")
+    M = torch.zeros(L_s, L_t)
+    j = torch.arange(1, k + 1)
+    M[L_s - j, L_t - j] = 1.0
+    return M
 
 
-def layer_features(
-    model: nn.Module,
-    batch: Mapping[str, Tensor],
-    representation: str = "hidden",
-    key_space: str = "post_rope",
-) -> Tensor:
-    """One model's per-layer token features for a batch.
-
-    Args:
-        model: any HF causal LM (run under no_grad).
-        batch: `input_ids`, `attention_mask`, `segment_ids` `[B, T]`.
-        representation: "hidden" (each decoder layer's output; the embeddings are dropped),
-            "keys" or "values" (the cache, heads flattened to `H·D`).
-        key_space: keys "post_rope" (as cached) or "pre_rope".
-
-    Returns:
-        `[L, B, T, F]` features, F = d_model or H_kv·D.
-    """
-    if representation not in REPRESENTATIONS:
-        raise ValueError(f"representation must be one of {REPRESENTATIONS}, got {representation!r}")
-    device = _device_of(model)
-    kv = extract_kv(
-        model,
-        batch["input_ids"].to(device),
-        batch["attention_mask"].to(device),
-        batch["segment_ids"].to(device),
-        key_space=key_space,
-        output_hidden_states=representation == "hidden",
-    )
-    if representation == "hidden":
-        return kv.hidden_states[1:]  # [L, B, T, d]: drop the embeddings, one per decoder layer
-    return flatten_heads(kv.keys if representation == "keys" else kv.values)  # [L, B, T, H·D]
-
-
-@torch.no_grad()
-def layer_similarity(
-    student_model: nn.Module,
-    teacher_model: nn.Module,
-    student_tok: Any,
-    teacher_tok: Any,
-    records: Sequence[Mapping[str, Any]],
-    *,
-    representation: str = "hidden",
-    pooling: str = "tokens",
-    debiased: bool = False,
-    batch_size: int = 4,
-    max_length: int = 512,
-    minibatch_size: int | None = 1024,
-    time_mode: str = "segment",
-    key_space: str = "post_rope",
-    template: str = DEFAULT_TEMPLATE,
-    use_chat_template: bool = False,
-    cka_dtype: torch.dtype = torch.float64,
-    progress: bool | None = None,
-    desc: str = "layer-map",
-) -> tuple[Tensor, dict[str, int]]:
-    """CKA similarity `S [L_s, L_t]` between every student and every teacher layer on `records`.
-
-    Returns:
-        (`S` float64 on CPU, counts `{"samples", "rows", "minibatches"}`).
-    """
-    from tqdm.auto import tqdm
-
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-    if not records:
-        raise ValueError("layer_similarity needs at least one record")
-    s_collate = DistillCollator(student_tok, max_length, template, use_chat_template)
-    t_collate = DistillCollator(teacher_tok, max_length, template, use_chat_template)
-    acc = StreamingCKA(minibatch_size, debiased=debiased, dtype=cka_dtype)
-    device = _device_of(student_model)
-    modes = [(m, m.training) for m in (student_model, teacher_model)]
-    for m, _ in modes:
-        m.eval()
-    try:
-        starts = range(0, len(records), batch_size)
-        for i in tqdm(starts, desc=desc, unit="batch", disable=None if progress is None else not progress):
-            chunk = list(records[i : i + batch_size])
-            sb, tb = s_collate(chunk), t_collate(chunk)  # [B, T_s], [B, T_t]
-            fs = layer_features(student_model, sb, representation, key_space)  # [L_s, B, T_s, F_s]
-            ft = layer_features(teacher_model, tb, representation, key_space).to(device)  # [L_t, B, T_t, F_t]
-            s_mask = sb["attention_mask"].to(device)
-            t_mask = tb["attention_mask"].to(device)
-            if pooling == "mean":  # each model averages its own tokens: no time alignment needed
-                acc.update(pool_features(fs, s_mask, "mean"), pool_features(ft, t_mask, "mean"))
-                continue
-            same_tokens = sb["input_ids"].shape == tb["input_ids"].shape and torch.equal(
-                sb["input_ids"], tb["input_ids"]
-            )
-            mask = s_mask.bool()
-            if not same_tokens:  # the teacher read at the student's tokens (segment-aware lerp)
-                idx = time_index(
-                    t_mask, tb["segment_ids"].to(device), s_mask, sb["segment_ids"].to(device), mode=time_mode
-                )
-                ft = resample(ft, idx, time_dim=2, batch_dim=1)  # [L_t, B, T_s, F_t]
-                mask = mask & idx.valid
-            acc.update(pool_features(fs, mask, "tokens"), pool_features(ft, mask, "tokens"))
-        similarity = acc.compute().cpu()
-    finally:
-        for m, was_training in modes:
-            m.train(was_training)
-    return similarity, {"samples": len(records), "rows": acc.num_rows, "minibatches": acc.num_minibatches}
-
-
-def compute_layer_map(
-    student_model: nn.Module,
-    teacher_model: nn.Module,
-    student_tok: Any,
-    teacher_tok: Any,
-    records: Sequence[Mapping[str, Any]],
-    *,
-    k: int = 2,
-    temperature: float | None = None,
-    monotonic: bool = False,
-    representation: str = "hidden",
-    pooling: str = "tokens",
-    debiased: bool = False,
-    batch_size: int = 4,
-    max_length: int = 512,
-    minibatch_size: int | None = 1024,
-    time_mode: str = "segment",
-    key_space: str = "post_rope",
-    template: str = DEFAULT_TEMPLATE,
-    use_chat_template: bool = False,
-    cka_dtype: torch.dtype = torch.float64,
-    seed: int | None = None,
-    provenance: Mapping[str, Any] | None = None,
-    progress: bool | None = None,
-) -> dict[str, Any]:
-    """CKA similarity, top-k map and provenance for one student/teacher pair (no files written).
-
-    Args:
-        student_model, teacher_model: HF causal LMs (any devices; run in eval mode, restored after).
-        student_tok, teacher_tok: their (fast) tokenizers; they may differ.
-        records: `{"question", "answer"}` dicts; all are used.
-        k, temperature, monotonic: top-k selection (see `align.cka.topk_layer_map`).
-        representation: "hidden" | "keys" | "values".
-        pooling: "tokens" (every valid token is a CKA row) | "mean" (one row per sample).
-        debiased: unbiased HSIC estimator per minibatch.
-        batch_size: samples per forward pass.
-        max_length: tokens per example.
-        minibatch_size: CKA rows per minibatch (memory: a `[L, n, n]` float64 Gram per model).
-        time_mode: "segment" | "global" alignment of a differently tokenized teacher.
-        key_space: "post_rope" | "pre_rope" keys (representation "keys").
-        template, use_chat_template: prompt formatting, as in training.
-        cka_dtype: Gram computation dtype (HSIC sums are float64 in any case).
-        seed: recorded in the provenance (the caller samples the records).
-        provenance: extra fields for the provenance (e.g. the data source).
-        progress: tqdm bar (None: only on a terminal).
-
-    Returns:
-        `{"matrix": M [L_s, L_t] float32, "similarity": S [L_s, L_t] float64, "provenance": dict}`.
-
-    Example:
-        >>> res = compute_layer_map(student, teacher, s_tok, t_tok, records, k=2)
-        >>> save_layer_map("map.json", res["matrix"], similarity=res["similarity"], provenance=res["provenance"])
-    """
-    import kvdistill
-    from kvdistill.models import config_hash
-
-    S, counts = layer_similarity(
-        student_model, teacher_model, student_tok, teacher_tok, records,
-        representation=representation, pooling=pooling, debiased=debiased, batch_size=batch_size,
-        max_length=max_length, minibatch_size=minibatch_size, time_mode=time_mode, key_space=key_space,
-        template=template, use_chat_template=use_chat_template, cka_dtype=cka_dtype, progress=progress,
-        desc=f"layer-map {Path(_model_name(teacher_model).rstrip('/')).name or 'teacher'}",
-    )  # fmt: skip
-    M = topk_layer_map(S, k, temperature=temperature, monotonic=monotonic)
-    prov = {
-        "method": "linear CKA, minibatch HSIC" + (" (debiased)" if debiased else ""),
-        "student": _model_name(student_model),
-        "teacher": _model_name(teacher_model),
-        "student_config_hash": config_hash(student_model),
-        "teacher_config_hash": config_hash(teacher_model),
-        "student_layers": int(S.shape[0]),
-        "teacher_layers": int(S.shape[1]),
-        **counts,
-        "k": k,
-        "temperature": temperature,
-        "monotonic": monotonic,
-        "representation": representation,
-        "key_space": key_space if representation == "keys" else None,
-        "pooling": pooling,
-        "debiased": debiased,
-        "minibatch_size": minibatch_size,
-        "cka_dtype": str(cka_dtype).replace("torch.", ""),
-        "time_mode": time_mode,
-        "max_length": max_length,
-        "seed": seed,
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "kvdistill_version": kvdistill.__version__,
-        **(provenance or {}),
-    }
-    return {"matrix": M, "similarity": S, "provenance": prov}
-
-
-def write_layer_map(
-    result: Mapping[str, Any], out: str | Path, *, title: str | None = None
-) -> tuple[Path, Path]:
-    """Write `compute_layer_map`'s result as `out` (JSON) and `out` with suffix .png (heatmap)."""
-    from kvdistill.plots import plot_cka_heatmap
-
-    out = Path(out)
-    save_layer_map(
-        out, result["matrix"], similarity=result["similarity"], provenance=dict(result["provenance"])
-    )
-    prov = result["provenance"]
-    if title is None:
-        title = f"CKA ({prov.get('representation', 'hidden')}, {prov.get('pooling', 'tokens')}): " + (
-            f"{Path(str(prov.get('student', 'student'))).name} vs {Path(str(prov.get('teacher', 'teacher'))).name}"
+def apply_layer_map(M: Tensor, x: Tensor) -> Tensor:
+    """Mix the layer axis (axis 0) of `x [L_t, ...]` with `M [L_s, L_t]` -> `[L_s, ...]`."""
+    if M.dim() != 2 or M.shape[1] != x.shape[0]:
+        raise ValueError(
+            f"layer map {tuple(M.shape)} expects {M.shape[-1]} teacher layers on axis 0, "
+            f"got a tensor of shape {tuple(x.shape)}"
         )
-    png = plot_cka_heatmap(result["similarity"], result["matrix"], out.with_suffix(".png"), title=title)
-    return out, png
+    return torch.einsum("st,t...->s...", M.to(device=x.device, dtype=x.dtype), x)
 
 
-def teacher_name(name_or_path: str) -> str:
-    """File-name-safe short name of a teacher: the last component of its path or Hub id."""
-    name = Path(str(name_or_path).rstrip("/")).name or "teacher"
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+def mapped_rows(M: Tensor) -> Tensor:
+    """Indices `[L_m]` of the student layers with a non-zero row (the distilled layers)."""
+    return (M.abs().sum(1) > 0).nonzero().flatten()
 
 
-def output_paths(out: str | Path, teachers: Sequence[str]) -> list[Path]:
-    """`out` for one teacher; `<stem>.<teacher-name><suffix>` each for several (names deduplicated)."""
-    out = Path(out)
-    if out.suffix.lower() != ".json":
-        out = out.with_name(out.name + ".json")
-    if len(teachers) == 1:
-        return [out]
-    paths, seen = [], set()
-    for i, t in enumerate(teachers):
-        name = teacher_name(t)
-        if name in seen:
-            name = f"{name}-{i}"
-        seen.add(name)
-        paths.append(out.with_name(f"{out.stem}.{name}{out.suffix}"))
-    return paths
+def validate_layer_map(
+    M: Tensor, student_layers: int | None = None, teacher_layers: int | None = None
+) -> Tensor:
+    """Check a mapping matrix: 2-D, the expected size, non-negative, rows summing to 1 (or 0)."""
+    M = torch.as_tensor(M, dtype=torch.float32)
+    if M.dim() != 2:
+        raise ValueError(f"a layer map must be a [L_s, L_t] matrix, got shape {tuple(M.shape)}")
+    expected = (student_layers, teacher_layers)
+    if None not in expected and tuple(M.shape) != expected:
+        raise ValueError(
+            f"layer map is for {M.shape[0]} student x {M.shape[1]} teacher layers, but the models have "
+            f"{student_layers} x {teacher_layers} (expected shape ({student_layers}, {teacher_layers}), "
+            f"got {tuple(M.shape)}); re-run `kvdistill layer-map` for this model pair"
+        )
+    if not torch.isfinite(M).all() or (M < 0).any():
+        raise ValueError("layer map weights must be finite and non-negative")
+    sums = M.sum(1)
+    bad = ((sums - 1).abs() > _ROW_TOL) & (sums.abs() > _ROW_TOL)
+    if bad.any():
+        rows = bad.nonzero().flatten().tolist()
+        raise ValueError(
+            f"layer map rows must sum to 1 (or 0 for an unmapped layer); rows {rows} sum to "
+            f"{[round(float(sums[r]), 4) for r in rows]}"
+        )
+    if not (sums > _ROW_TOL).any():
+        raise ValueError("layer map maps no student layer (all rows are zero)")
+    return M
 
 
-def sample_records(records: Sequence[dict], n: int | None, seed: int) -> list[dict]:
-    """`n` records drawn without replacement by `seed`, in their original order (all if n is None)."""
-    if n is None or n >= len(records):
-        return list(records)
-    keep = sorted(random.Random(seed).sample(range(len(records)), n))
-    return [records[i] for i in keep]
+def _check_counts(L_s: int, L_t: int) -> None:
+    if L_s < 1 or L_t < 1:
+        raise ValueError(f"layer counts must be >= 1, got L_s={L_s}, L_t={L_t}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvdistill layer-map",
-        description="Linear CKA between every student layer and every teacher layer on sample texts -> "
-        "top-k teacher layers per student layer, as layer-map JSON (+ heatmap PNG).",
-        epilog="Several teachers write one map each: --out map.json -> map.<teacher-name>.json.",
-    )
-    p.add_argument("--student", required=True, help="student: Hub id or local model dir")
-    p.add_argument("--teacher", required=True, nargs="+", help="one or more teachers: Hub ids or local dirs")
-    p.add_argument(
-        "--data",
-        default="synthetic",
-        help="Hub id, local jsonl/json/parquet file or dir, or 'synthetic' (default)",
-    )
-    p.add_argument("--split", default="train", help="dataset split (default: train)")
-    p.add_argument(
-        "--field-map",
-        default=None,
-        help='column map: a name (gsm8k, svamp, math) or JSON {"question": col, "answer": col}',
-    )
-    p.add_argument(
-        "--samples", type=int, default=100, help="texts to compare on, drawn with --seed (default 100)"
-    )
-    p.add_argument("--top-k", type=int, default=2, help="teacher layers per student layer (default 2)")
-    p.add_argument("--out", required=True, help="output JSON path (the heatmap goes next to it as .png)")
-    p.add_argument(
-        "--representation",
-        choices=REPRESENTATIONS,
-        default="hidden",
-        help="what to compare: layer outputs (hidden), or flattened cache keys / values",
-    )
-    p.add_argument(
-        "--pooling",
-        choices=POOLINGS,
-        default="tokens",
-        help="CKA rows: every valid token (tokens), or the mean per sample (mean)",
-    )
-    p.add_argument(
-        "--debiased",
-        action="store_true",
-        help="unbiased HSIC estimator per minibatch (recommended with small minibatches)",
-    )
-    p.add_argument(
-        "--monotonic",
-        action="store_true",
-        help="a deeper student layer never maps to a shallower teacher layer",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help="softmax temperature for the top-k weights (default: plain normalisation)",
-    )
-    p.add_argument("--batch-size", type=int, default=4, help="samples per forward pass (default 4)")
-    p.add_argument("--max-length", type=int, default=512, help="tokens per example (default 512)")
-    p.add_argument(
-        "--minibatch-size",
-        type=int,
-        default=1024,
-        help="CKA rows per minibatch; memory ~ (L_s + L_t) x n^2 x 8 bytes (default 1024)",
-    )
-    p.add_argument(
-        "--cka-dtype",
-        choices=("float64", "float32"),
-        default="float64",
-        help="Gram precision: float32 halves CKA time and memory (features are centred first)",
-    )
-    p.add_argument(
-        "--time-mode",
-        choices=("segment", "global"),
-        default="segment",
-        help="alignment of a teacher that tokenizes differently (default segment)",
-    )
-    p.add_argument(
-        "--key-space",
-        choices=("post_rope", "pre_rope"),
-        default="post_rope",
-        help="keys as cached or before RoPE (representation keys)",
-    )
-    p.add_argument(
-        "--template", default=DEFAULT_TEMPLATE, help="prompt template with {question} (as in training)"
-    )
-    p.add_argument(
-        "--chat-template", action="store_true", help="format prompts with the tokenizers' chat templates"
-    )
-    p.add_argument(
-        "--dtype", default="auto", help="model dtype: auto | fp32 | bf16 | fp16 (CKA is float64 anyway)"
-    )
-    p.add_argument("--quantization", choices=("4bit", "8bit"), default=None, help="load teachers quantized")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--seed", type=int, default=0, help="which --samples texts are drawn (default 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
+def save_layer_map(
+    path: str | Path,
+    matrix: Tensor,
+    *,
+    similarity: Tensor | None = None,
+    provenance: dict[str, Any] | None = None,
+) -> None:
+    """Write `matrix [L_s, L_t]` (and the similarity it came from) as layer-map JSON.
+
+    Format `kvdistill.layer_map/v1`: `student_layers`, `teacher_layers`, `matrix`, `pairs`
+    (per student layer its teacher layers and weights, largest first), `similarity` (or null) and
+    `provenance` (free-form: models, config hashes `student_config_hash` / `teacher_config_hash`,
+    samples, k, date).
+    """
+    M = validate_layer_map(matrix.detach().cpu())
+    L_s, L_t = M.shape
+    if similarity is not None and tuple(similarity.shape) != (L_s, L_t):
+        raise ValueError(f"similarity must be [L_s, L_t] = [{L_s}, {L_t}], got {tuple(similarity.shape)}")
+    pairs = []
+    for i in range(L_s):
+        row = M[i]
+        order = [t for t in row.argsort(descending=True).tolist() if row[t] > 0]
+        pairs.append({"student": i, "teacher": order, "weight": [float(row[t]) for t in order]})
+    doc = {
+        "format": LAYER_MAP_FORMAT,
+        "student_layers": L_s,
+        "teacher_layers": L_t,
+        "matrix": M.tolist(),
+        "pairs": pairs,
+        "similarity": None if similarity is None else similarity.detach().cpu().float().tolist(),
+        "provenance": provenance or {},
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
 
 
-def main(argv: list[str]) -> int:
-    from kvdistill.data import load_records
-    from kvdistill.models import load_model, load_tokenizer
+def read_layer_map(path: str | Path) -> dict[str, Any]:
+    """The raw layer-map document (format checked), with `matrix` rebuilt from `pairs` if absent."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"layer map {path} not found; create it with `kvdistill layer-map`")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"layer map {path} is not valid JSON: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != LAYER_MAP_FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f"{path} is not a layer map: format {found!r}, expected {LAYER_MAP_FORMAT!r}")
+    if doc.get("matrix") is None:
+        L_s, L_t = int(doc["student_layers"]), int(doc["teacher_layers"])
+        M = torch.zeros(L_s, L_t)
+        for p in doc.get("pairs", []):
+            M[p["student"], p["teacher"]] = torch.tensor(p["weight"], dtype=torch.float32)
+        doc["matrix"] = M.tolist()
+    return doc
 
-    a = build_parser().parse_args(argv)
-    if a.samples < 1 or a.top_k < 1 or a.batch_size < 1:
-        print("layer-map: --samples, --top-k and --batch-size must be >= 1", file=sys.stderr)
-        return 2
-    field_map = (
-        json.loads(a.field_map) if a.field_map and a.field_map.strip().startswith("{") else a.field_map
-    )
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(a.seed)
-    records = sample_records(load_records(a.data, split=a.split, field_map=field_map), a.samples, a.seed)
-    student, s_tok = load_model(a.student, dtype=a.dtype, device=device), load_tokenizer(a.student)
-    outs = output_paths(a.out, a.teacher)
-    for teacher_path, out in zip(a.teacher, outs):
-        teacher = load_model(teacher_path, dtype=a.dtype, device=device, quantization=a.quantization)
-        t_tok = load_tokenizer(teacher_path)
-        result = compute_layer_map(
-            student, teacher, s_tok, t_tok, records,
-            k=a.top_k, temperature=a.temperature, monotonic=a.monotonic, representation=a.representation,
-            pooling=a.pooling, debiased=a.debiased, batch_size=a.batch_size, max_length=a.max_length,
-            minibatch_size=a.minibatch_size, time_mode=a.time_mode, key_space=a.key_space,
-            template=a.template, use_chat_template=a.chat_template, seed=a.seed,
-            cka_dtype=getattr(torch, a.cka_dtype),
-            provenance={"student": a.student, "teacher": teacher_path, "data": a.data, "split": a.split,
-                        "quantization": a.quantization},
-            progress=False if a.no_progress else None,
-        )  # fmt: skip
-        json_path, png_path = write_layer_map(result, out)
-        print(f"{teacher_name(teacher_path)}: {json_path} (+ {png_path.name})")
-        for row, M_row in enumerate(result["matrix"]):
-            picks = [(t, float(M_row[t])) for t in M_row.nonzero().flatten().tolist()]
-            picks.sort(key=lambda p: -p[1])
-            print(f"  student {row:>3} <- " + ", ".join(f"teacher {t} ({w:.2f})" for t, w in picks))
-        del teacher, result
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return 0
+
+def load_layer_map(
+    path: str | Path,
+    student_layers: int,
+    teacher_layers: int,
+    *,
+    student_hash: str | None = None,
+    teacher_hash: str | None = None,
+    check_hashes: bool = True,
+) -> Tensor:
+    """Read a layer-map JSON and check that it belongs to this model pair.
+
+    Args:
+        path: the JSON written by `save_layer_map`.
+        student_layers, teacher_layers: the decoder-layer counts of the models in use.
+        student_hash, teacher_hash: config hashes of the models in use; compared with the
+            `provenance` hashes when both sides have one and `check_hashes` is True.
+
+    Returns:
+        `M [L_s, L_t]` float32.
+
+    Raises:
+        ValueError: other layer counts (re-run `kvdistill layer-map`), other config hashes
+            (override with `--ignore_layer_map_hash`), or a malformed matrix.
+    """
+    doc = read_layer_map(path)
+    M = torch.tensor(doc["matrix"], dtype=torch.float32)
+    declared = (doc.get("student_layers", M.shape[0]), doc.get("teacher_layers", M.shape[-1]))
+    if M.dim() != 2 or tuple(M.shape) != tuple(declared):
+        raise ValueError(
+            f"layer map {path}: matrix shape {tuple(M.shape)} disagrees with its header {declared}"
+        )
+    if tuple(M.shape) != (student_layers, teacher_layers):
+        raise ValueError(
+            f"layer map {path} is for {M.shape[0]} student x {M.shape[1]} teacher layers, but the models have "
+            f"{student_layers} x {teacher_layers}; re-run `kvdistill layer-map` for this model pair"
+        )
+    prov = doc.get("provenance") or {}
+    if check_hashes:
+        for side, given in (("student", student_hash), ("teacher", teacher_hash)):
+            saved = prov.get(f"{side}_config_hash")
+            if given is not None and saved is not None and str(given) != str(saved):
+                raise ValueError(
+                    f"layer map {path} was computed for another {side} model (config hash {saved}, "
+                    f"this {side} has {given}); re-run `kvdistill layer-map`, or pass "
+                    "--ignore_layer_map_hash to use it anyway"
+                )
+    return validate_layer_map(M, student_layers, teacher_layers)
+
+
+def build_layer_map(
+    kind: str,
+    L_s: int,
+    L_t: int,
+    *,
+    k: int = 1,
+    path: str | Path | None = None,
+    student_hash: str | None = None,
+    teacher_hash: str | None = None,
+    check_hashes: bool = True,
+) -> Tensor:
+    """A mapping matrix `[L_s, L_t]` by name: "proportional", "last_k" (uses `k`) or "json" (uses `path`)."""
+    if kind == "proportional":
+        return proportional_map(L_s, L_t)
+    if kind == "last_k":
+        return last_k_map(L_s, L_t, k)
+    if kind == "json":
+        if path is None:
+            raise ValueError("layer map kind 'json' needs a path")
+        return load_layer_map(
+            path, L_s, L_t, student_hash=student_hash, teacher_hash=teacher_hash, check_hashes=check_hashes
+        )
+    raise ValueError(f"unknown layer map kind {kind!r}; expected one of {LAYER_MAP_KINDS}")

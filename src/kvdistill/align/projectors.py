@@ -24,11 +24,6 @@ PROJECTOR_KINDS = ("linear", "elastic")
 INIT_KINDS = ("xavier", "orthogonal", "identity", "identity-scale")  # "identity" == "identity-scale"
 
 
-def param_count(module: nn.Module, *, trainable_only: bool = False) -> int:
-    """Number of parameters (optionally only those with `requires_grad`)."""
-    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
-
-
 def identity_scale_(weight: Tensor) -> Tensor:
     """Fill `weight [d_out, d_in]` (or `[G, d_out, d_in]`) with a scaled truncated identity, in place.
 

@@ -1,6 +1,6 @@
 """Evaluation: answer extraction, statistics, `kvdistill eval` and `kvdistill ablate`.
 
-Submodules are imported on use (`from kvdistill.evaluate.eval import evaluate_model`), so
+Submodules are imported on use (`from kvdistill.evaluate.scoring import evaluate_model`), so
 importing the package stays light.
 """
 

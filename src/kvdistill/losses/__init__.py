@@ -3,7 +3,7 @@
 | module | terms |
 |---|---|
 | `kv` | projected KV matching: mse, smooth_l1, cosine, mercator, hybrid, structural (`KVLoss`) |
-| `relation` | MiniLMv2-style self-relation KL over time (no projector) |
+| `relation` | MiniLMv2-style self-relation KL over time, no projector (`RelationKVLoss`) |
 | `logits` | the student's LM cross-entropy, logit KD (forward/reverse KL, JSD) |
 | `hidden` | CODI hidden-state alignment at the answer marker |
 """
@@ -11,12 +11,15 @@
 from kvdistill.losses.hidden import answer_position, codi_sum
 from kvdistill.losses.kv import LOSSES, KVLoss, aligned_kv_loss, build_kv_loss
 from kvdistill.losses.logits import LOGIT_KD_KINDS, logit_kd_sum, token_ce_sum
+from kvdistill.losses.relation import RelationKVLoss, aligned_relation_loss
 
 __all__ = [
     "LOGIT_KD_KINDS",
     "LOSSES",
     "KVLoss",
+    "RelationKVLoss",
     "aligned_kv_loss",
+    "aligned_relation_loss",
     "answer_position",
     "build_kv_loss",
     "codi_sum",

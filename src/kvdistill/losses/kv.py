@@ -40,6 +40,26 @@ from kvdistill.cache import PAD, SEGMENT_NAMES
 REDUCTIONS = ("mean", "sum")
 
 
+def token_weights(
+    mask: Tensor, segment_ids: Tensor | None, segment_weights: dict[int, float] | None = None
+) -> Tensor:
+    """Token weights `[B, T]` float: `mask * segment_weights.get(segment, 1)`, 0 on padding (-1).
+
+    Args:
+        mask: `[B, T]` bool/float validity.
+        segment_ids: `[B, T]` optional segment ids; None weighs every masked token 1.
+        segment_weights: `{segment_id: weight}`; segments not listed weigh 1.
+    """
+    w = mask.float()
+    if segment_ids is None:
+        return w
+    seg = segment_ids.long()
+    seg_w = torch.ones_like(w)
+    for sid, weight in (segment_weights or {}).items():  # a handful of segments, not tokens
+        seg_w = torch.where(seg == sid, weight, seg_w)
+    return w * torch.where(seg == PAD, 0.0, seg_w)
+
+
 class KVLoss(nn.Module):
     """Base class: masking, segment weights, target normalisation, reduction and metrics.
 
@@ -92,14 +112,7 @@ class KVLoss(nn.Module):
 
     def token_weights(self, mask: Tensor, segment_ids: Tensor | None) -> Tensor:
         """`[B, T]` float: mask x segment weight, 0 on padding."""
-        w = mask.float()
-        if segment_ids is None:
-            return w
-        seg = segment_ids.long()
-        seg_w = torch.ones_like(w)
-        for sid, weight in self.segment_weights.items():  # a handful of segments, not tokens
-            seg_w = torch.where(seg == sid, weight, seg_w)
-        return w * torch.where(seg == PAD, 0.0, seg_w)
+        return token_weights(mask, segment_ids, self.segment_weights)
 
     def forward(
         self, student: Tensor, teacher: Tensor, mask: Tensor, segment_ids: Tensor | None = None

@@ -6,51 +6,55 @@ so a bad config fails before any model loads, with a message that names the fix.
 
 from __future__ import annotations
 
-import difflib
-import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import TrainingArguments
 
 from kvdistill.align.aligner import DIRECTIONS
 from kvdistill.align.aligner import MODES as HEAD_MODES
 from kvdistill.align.projectors import PROJECTOR_KINDS as PROJECTORS
 from kvdistill.align.time import TIME_MODES
+from kvdistill.config import ConfigError, option, suggest, to_plain
+from kvdistill.config import parse_config as parse_command_config
 from kvdistill.data import DEFAULT_TEMPLATE
 from kvdistill.fusion import FUSIONS
-from kvdistill.losses import LOSSES
+from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
 
 # the config's names for the layer map: "cka" reads each teacher's JSON (the aligner's "json" kind)
 LAYER_MAPS = ("proportional", "last_k", "cka")
 KV_LOSSES = tuple(LOSSES)
-LOGIT_KD = ("forward_kl", "reverse_kl", "jsd")
+LOGIT_KD = LOGIT_KD_KINDS
+DESCRIPTION = """Multi-teacher KV-cache distillation on transformers.Trainer.
 
+  kvdistill train --config configs/tiny.yaml [--key value ...]
 
-class ConfigError(ValueError):
-    """A configuration problem, raised before anything loads."""
+Options come from one YAML file (--config) plus command-line flags, which win. The kvdistill
+options are listed first; every transformers TrainingArguments option follows and keeps its name."""
 
 
 @dataclass
 class TeacherConfig:
-    """One teacher. Unset projector fields inherit the run-wide ones."""
+    """One teacher (an entry of `teachers:`). Unset projector fields inherit the run-wide ones."""
 
-    path: str
-    name: str | None = None
-    weight: float = 1.0
-    dtype: str = "auto"
-    quantization: str | None = None
-    tokenizer: str | None = None  # None: the teacher's own (from `path`); "student": share the student's
-    rationale_field: str | None = None
-    layer_map: str | None = None  # JSON from `kvdistill layer-map` (needed when layer_map: cka)
-    projector: str | None = None
-    mlp_ratio: float | None = None
-    projector_dropout: float | None = None
-    projector_init: str | None = None
+    path: str = option(None, "Teacher model: Hub id or local directory. Required.")
+    name: str | None = option(None, "Name in logs, checkpoints and layer-map files (default: last part of path).")
+    weight: float = option(1.0, "Fusion weight (normalised over teachers).")
+    dtype: str = option("auto", "Weights dtype: auto | fp32 | bf16 | fp16.")
+    quantization: str | None = option(None, "null | 4bit | 8bit (bitsandbytes); never applied unless asked.")
+    tokenizer: str | None = option(None, "Tokenizer: null (the teacher's own, from path), 'student', or a path.")
+    rationale_field: str | None = option(None, "Data column with this teacher's own rationale (its chain of thought).")
+    layer_map: str | None = option(None, "Layer-map JSON from `kvdistill layer-map` (needed with layer_map: cka).")
+    projector: str | None = option(None, "Dim projector for this teacher (default: the run's `projector`).")
+    mlp_ratio: float | None = option(None, "Elastic projector width ratio (default: the run's `mlp_ratio`).")
+    projector_dropout: float | None = option(None, "Elastic projector dropout (default: the run's).")
+    projector_init: str | None = option(None, "Projector init (default: the run's `projector_init`).")
 
     def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("a teacher needs a `path:` (Hub id or local model directory)")
         if self.name is None:
             self.name = Path(str(self.path).rstrip("/")).name
         if self.weight < 0:
@@ -59,82 +63,75 @@ class TeacherConfig:
             raise ConfigError(f"teacher {self.name}: quantization must be null, 4bit or 8bit")
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: default.copy(), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
-
-
 @dataclass
 class KVDistillConfig(TrainingArguments):
     """Training arguments of `kvdistill train` (TrainingArguments names kept)."""
 
     # ---- models and data
-    student: str | None = _f(None, "Student model: Hub id or local directory.")
-    teachers: None | str | list = _f([], "List of teachers: {path, name, weight, dtype, quantization, tokenizer, "
+    student: str | None = option(None, "Student model: Hub id or local directory.")
+    teachers: None | str | list = option([], "List of teachers: {path, name, weight, dtype, quantization, tokenizer, "
                            "rationale_field, layer_map, projector, mlp_ratio, ...}.")
-    student_dtype: str = _f("auto", "Student weights dtype (auto|fp32|bf16|fp16); use bf16/fp16 flags for AMP.")
-    data: str = _f("synthetic", "Training data: Hub id, local jsonl/json/parquet file or directory, or 'synthetic'.")
-    data_split: str = _f("train", "Split to train on.")
-    field_map: None | str | dict = _f(None, "Column mapping {question: col, answer: col} or a name (gsm8k, svamp, math).")
-    max_samples: int | None = _f(None, "Use only the first N training records.")
-    max_length: int = _f(512, "Maximum tokens per example (longer ones are cut, with a warning).")
-    prompt_template: str = _f(DEFAULT_TEMPLATE, "Prompt template with {question}.")
-    use_chat_template: bool = _f(False, "Format prompts with the tokenizer's chat template.")
+    student_dtype: str = option("auto", "Student weights dtype (auto|fp32|bf16|fp16); use bf16/fp16 flags for AMP.")
+    data: str = option("synthetic", "Training data: Hub id, local jsonl/json/parquet file or directory, or 'synthetic'.")
+    data_split: str = option("train", "Split to train on.")
+    field_map: None | str | dict = option(None, "Column mapping {question: col, answer: col} or a name (gsm8k, svamp, math).")
+    max_samples: int | None = option(None, "Use only the first N training records.")
+    max_length: int = option(512, "Maximum tokens per example (longer ones are cut, with a warning).")
+    prompt_template: str = option(DEFAULT_TEMPLATE, "Prompt template with {question}.")
+    use_chat_template: bool = option(False, "Format prompts with the tokenizer's chat template.")
     # ---- alignment
-    time_mode: str = _f("segment", f"Time alignment: {TIME_MODES}.")
-    layer_map: str = _f("proportional", f"Layer mapping: {LAYER_MAPS} (cka reads each teacher's layer_map JSON).")
-    layer_map_k: int = _f(1, "k for layer_map: last_k.")
-    ignore_layer_map_hash: bool = _f(False, "Accept a layer map computed for other model configs.")
-    head_mode: str = _f("flat", f"Head alignment: {HEAD_MODES}.")
-    projector: str = _f("linear", f"Dim projector: {PROJECTORS}.")
-    mlp_ratio: float = _f(1.0, "Elastic bottleneck width ratio r (0.5 / 1 / 2 by teacher size).")
-    projector_dropout: float = _f(0.0, "Dropout inside the elastic projector.")
-    projector_init: str = _f("xavier", "Projector init: xavier | orthogonal | identity.")
-    share_layers: bool = _f(True, "One K and one V projector shared across layers (else one per layer).")
-    projector_trainable: bool = _f(True, "Train projectors and head mixers (False: fixed at their init, so the "
+    time_mode: str = option("segment", f"Time alignment: {TIME_MODES}.")
+    layer_map: str = option("proportional", f"Layer mapping: {LAYER_MAPS} (cka reads each teacher's layer_map JSON).")
+    layer_map_k: int = option(1, "k for layer_map: last_k.")
+    ignore_layer_map_hash: bool = option(False, "Accept a layer map computed for other model configs.")
+    head_mode: str = option("flat", f"Head alignment: {HEAD_MODES}.")
+    projector: str = option("linear", f"Dim projector: {PROJECTORS}.")
+    mlp_ratio: float = option(1.0, "Elastic bottleneck width ratio r (0.5 / 1 / 2 by teacher size).")
+    projector_dropout: float = option(0.0, "Dropout inside the elastic projector.")
+    projector_init: str = option("xavier", "Projector init: xavier | orthogonal | identity.")
+    share_layers: bool = option(True, "One K and one V projector shared across layers (else one per layer).")
+    projector_trainable: bool = option(True, "Train projectors and head mixers (False: fixed at their init, so the "
                                    "projector cannot chase the student and only the student moves).")
-    direction: str = _f("teacher_to_student", f"Which side is projected: {DIRECTIONS}.")
-    key_space: str = _f("post_rope", "Keys as cached (post_rope) or before RoPE (pre_rope).")
+    direction: str = option("teacher_to_student", f"Which side is projected: {DIRECTIONS}.")
+    key_space: str = option("post_rope", "Keys as cached (post_rope) or before RoPE (pre_rope).")
     # ---- losses
-    kv_loss: str = _f("mercator", f"KV loss: {KV_LOSSES}.")
-    kv_weight: float = _f(0.1, "Weight of the KV loss (0 = SFT only). Small weights worked best in the pilot.")
-    kv_warmup_steps: int = _f(100, "Linear warm-up of the KV weight over this many optimizer steps.")
-    mercator_alpha: float = _f(1.0, "Mercator direction weight alpha.")
-    mercator_beta: float = _f(0.0, "Mercator log-norm weight beta (0 or 0.01).")
-    hybrid_weight: float = _f(0.8, "Mercator share in the hybrid loss.")
-    normalize_target: bool = _f(False, "Layer-wise std normalisation of the teacher target (KaVa).")
-    segment_weights: None | str | dict = _f(None, "KV loss weight per segment {prompt: w, reasoning: w, answer: w}.")
-    ce_weight: float = _f(1.0, "Weight of the student's LM loss.")
-    allow_kv_only: bool = _f(False, "Allow ce_weight 0 (a KV-only loss can collapse to a trivial high cos-sim).")
-    codi_weight: float = _f(0.0, "Weight of the CODI hidden-state loss at the answer marker.")
-    logit_kd_weight: float = _f(0.0, "Weight of logit KD (only for teachers sharing the student's vocabulary).")
-    logit_kd_kind: str = _f("forward_kl", f"Logit KD divergence: {LOGIT_KD}.")
-    logit_kd_temperature: float = _f(1.0, "Softmax temperature of logit KD.")
+    kv_loss: str = option("mercator", f"KV loss: {KV_LOSSES}.")
+    kv_weight: float = option(0.1, "Weight of the KV loss (0 = SFT only). Small weights worked best in the pilot.")
+    kv_warmup_steps: int = option(100, "Linear warm-up of the KV weight over this many optimizer steps.")
+    mercator_alpha: float = option(1.0, "Mercator direction weight alpha.")
+    mercator_beta: float = option(0.0, "Mercator log-norm weight beta (0 or 0.01).")
+    hybrid_weight: float = option(0.8, "Mercator share in the hybrid loss.")
+    normalize_target: bool = option(False, "Layer-wise std normalisation of the teacher target (KaVa).")
+    segment_weights: None | str | dict = option(None, "KV loss weight per segment {prompt: w, reasoning: w, answer: w}.")
+    ce_weight: float = option(1.0, "Weight of the student's LM loss.")
+    allow_kv_only: bool = option(False, "Allow ce_weight 0 (a KV-only loss can collapse to a trivial high cos-sim).")
+    codi_weight: float = option(0.0, "Weight of the CODI hidden-state loss at the answer marker.")
+    logit_kd_weight: float = option(0.0, "Weight of logit KD (only for teachers sharing the student's vocabulary).")
+    logit_kd_kind: str = option("forward_kl", f"Logit KD divergence: {LOGIT_KD}.")
+    logit_kd_temperature: float = option(1.0, "Softmax temperature of logit KD.")
     # ---- teachers
-    fusion: str = _f("loss_sum", f"Multi-teacher fusion: {FUSIONS}.")
-    teacher_offload: bool = _f(False, "Keep teachers on CPU; move one at a time to the device for its forward.")
-    untrained_teacher_control: bool = _f(False, "Control: replace teachers by random-init copies.")
-    aligner_learning_rate: float = _f(1e-3, "Learning rate of projectors / aligners / fusion weights.")
+    fusion: str = option("loss_sum", f"Multi-teacher fusion: {FUSIONS}.")
+    teacher_offload: bool = option(False, "Keep teachers on CPU; move one at a time to the device for its forward.")
+    untrained_teacher_control: bool = option(False, "Control: replace teachers by random-init copies.")
+    aligner_learning_rate: float = option(1e-3, "Learning rate of projectors / aligners / fusion weights.")
     # ---- TrainingArguments defaults of the seed prototype
-    output_dir: str | None = _f("runs/kvdistill", "Where checkpoints, logs and the final student go.")
-    learning_rate: float = _f(5e-5, "Student learning rate.")
-    weight_decay: float = _f(0.01, "Weight decay.")
-    per_device_train_batch_size: int = _f(2, "Batch size per device.")
-    gradient_accumulation_steps: int = _f(16, "Gradient accumulation steps.")
-    max_steps: int = _f(1000, "Optimizer steps.")
-    logging_steps: float = _f(10, "Log every N steps.")
-    save_steps: float = _f(200, "Checkpoint every N steps.")
-    report_to: None | str | list[str] = _f("none", "tensorboard / wandb / none.")
-    remove_unused_columns: bool = _f(False, "Must stay False: the collator needs the raw records.")
+    output_dir: str | None = option("runs/kvdistill", "Where checkpoints, logs and the final student go.")
+    learning_rate: float = option(5e-5, "Student learning rate.")
+    weight_decay: float = option(0.01, "Weight decay.")
+    per_device_train_batch_size: int = option(2, "Batch size per device.")
+    gradient_accumulation_steps: int = option(16, "Gradient accumulation steps.")
+    max_steps: int = option(1000, "Optimizer steps.")
+    logging_steps: float = option(10, "Log every N steps.")
+    save_steps: float = option(200, "Checkpoint every N steps.")
+    report_to: None | str | list[str] = option("none", "tensorboard / wandb / none.")
+    remove_unused_columns: bool = option(False, "Must stay False: the collator needs the raw records.")
 
     def __post_init__(self) -> None:
         # mapping-valued options arrive as YAML objects from a file, or as strings from the CLI
         for key in ("teachers", "field_map", "segment_weights"):
-            if (isinstance(getattr(self, key), str) and key != "field_map") or (
-                key == "field_map" and isinstance(self.field_map, str) and self.field_map.strip()[:1] in "{["
-            ):
-                setattr(self, key, yaml.safe_load(getattr(self, key)))
+            setattr(self, key, to_plain(getattr(self, key)))
+        if isinstance(self.teachers, (str, dict)):  # one teacher, given as a path or a mapping
+            self.teachers = [self.teachers]
         self.teacher_configs = [self._teacher(t) for t in (self.teachers or [])]
         self._validate()
         super().__post_init__()
@@ -150,7 +147,7 @@ class KVDistillConfig(TrainingArguments):
         names = {f.name for f in fields(TeacherConfig)}
         for key in t:
             if key not in names:
-                raise ConfigError(f"unknown teacher key {key!r}{_suggest(key, names)}")
+                raise ConfigError(f"unknown teacher key {key!r}{suggest(key, names)}")
         return TeacherConfig(**t)
 
     def _validate(self) -> None:
@@ -233,34 +230,6 @@ def _is_model_ref(ref: str) -> bool:
     return not ref.startswith((".", "/", "~")) and ref.count("/") <= 1
 
 
-def _suggest(key: str, valid: Any) -> str:
-    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
 def parse_config(argv: list[str] | None = None) -> KVDistillConfig:
     """`--config x.yaml` plus `--key value` overrides -> `KVDistillConfig` (CLI wins over YAML)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(KVDistillConfig, prog="kvdistill train")
-    parser.add_argument("--config", default=None, help="YAML config file; CLI flags override its values.")
-    valid = {a.dest for a in parser._actions}
-    config_path = None
-    if "--config" in argv:
-        i = argv.index("--config")
-        config_path = argv[i + 1] if i + 1 < len(argv) else None
-        del argv[i : i + 2]
-    defaults: dict[str, Any] = {}
-    if config_path:
-        if not Path(config_path).exists():
-            raise ConfigError(f"config file not found: {config_path}")
-        defaults = yaml.safe_load(Path(config_path).read_text()) or {}
-        for key in defaults:
-            if key not in valid:
-                raise ConfigError(f"{config_path}: unknown key {key!r}{_suggest(key, valid)}")
-        parser.set_defaults(**defaults)
-    for arg in argv:
-        if arg.startswith("--") and arg[2:].split("=")[0] not in valid:
-            key = arg[2:].split("=")[0]
-            raise ConfigError(f"unknown option --{key}{_suggest(key, valid)}")
-    cfg = parser.parse_args_into_dataclasses(args=argv)[0]
-    return cfg
+    return parse_command_config(KVDistillConfig, argv, "kvdistill train", DESCRIPTION, first=TrainingArguments)

@@ -4,7 +4,7 @@ One YAML file says what to run:
 
 ```yaml
 base_config: configs/distill.yaml   # a `kvdistill train` config (looked up next to this file too)
-out_dir: runs/ablation
+output_dir: runs/ablation
 seeds: [0, 1, 2, 3, 4]
 variants: [core, {name: kv_w1, base: kv, overrides: {kv_weight: 1.0}}]
 overrides: {max_steps: 600}         # applied to every run, before the variant's own
@@ -25,20 +25,23 @@ with few seeds the item-level test alone overstates certainty, so both are repor
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
 import re
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kvdistill.commands.eval import EvalConfig
+from kvdistill.config import ConfigError, option, parse_config, to_plain
 from kvdistill.evaluate.stats import mean_std, paired_bootstrap, paired_permutation_test, paired_ttest
+from kvdistill.io import write_json_atomic, write_text_atomic
+from kvdistill.report import fmt_mean_std, fmt_num, fmt_p, fmt_signed
 
 # ----------------------------------------------------------------------------- variants
 
@@ -104,7 +107,7 @@ VARIANT_SETS: dict[str, list[str]] = {
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
 
-class AblationError(ValueError):
+class AblationError(ConfigError):
     """A bad ablation config; the message names the fix."""
 
 
@@ -184,90 +187,83 @@ def _builtin(name: str) -> Variant:
 
 @dataclass
 class AblationConfig:
-    """Everything `kvdistill ablate` needs; read from one YAML file (`load_ablation_config`)."""
+    """Options of `kvdistill ablate`: one YAML file (`--config`) plus command-line overrides."""
 
-    base_config: str
-    out_dir: str = "runs/ablation"
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    variants: list[Variant] = field(default_factory=lambda: resolve_variants(["core"]))
-    overrides: dict[str, Any] = field(default_factory=dict)
-    baseline: str | None = None
-    eval: dict[str, Any] = field(default_factory=dict)
-    n_resamples: int = 10_000
-    keep_going: bool = False
+    base_config: str | None = option(None, "A `kvdistill train` YAML every run starts from (looked up next to "
+                                     "the ablation YAML too). Required.")
+    output_dir: str = option("runs/ablation", "Where runs/<variant>/seed_<s>/ and the report go.")
+    seeds: None | str | list = option([0, 1, 2], "Seeds: a list, or comma separated on the command line.")
+    variants: None | str | list = option(["core"], "Variants: built-in names, set names or {name, base, overrides, "
+                                         "label} mappings; comma separated on the command line. "
+                                         "`--list_variants` shows the built-ins.")
+    overrides: None | str | dict = option({}, "Train-config overrides applied to every run, before the variant's.")
+    baseline: str | None = option(None, "The variant every other is compared with (default: baseline, or the first).")
+    primary: None | str | list = option(None, "The primary comparison, named before the run: [variant, reference].")
+    eval: None | str | dict = option({}, "`kvdistill eval` settings for every run (keys of EvalConfig: split, limit, "
+                                     "batch_size, max_new_tokens, ...).")
+    n_resamples: int = option(10_000, "Permutation / bootstrap resamples.")
+    keep_going: bool = option(False, "Log a failed run and go on with the others.")
+    report_only: bool = option(False, "Train nothing; rebuild the report from finished runs.")
+    list_variants: bool = option(False, "Print the built-in variants and sets, and exit.")
+    config_file: str | None = option(None, "The ablation YAML (set by --config).")
 
     def __post_init__(self) -> None:
-        self.seeds = [int(s) for s in self.seeds]
+        if self.list_variants:
+            return
+        self.seeds = [int(s) for s in (self.seeds.split(",") if isinstance(self.seeds, str) else self.seeds)]
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise AblationError(f"seeds must be a non-empty list of distinct ints, got {self.seeds}")
+        spec = to_plain(self.variants)
+        if isinstance(spec, str):
+            spec = [v.strip() for v in spec.split(",") if v.strip()]
+        self.variants = resolve_variants(spec)
+        self.overrides, self.eval = to_plain(self.overrides) or {}, to_plain(self.eval) or {}
         names = [v.name for v in self.variants]
         if self.baseline is None:
             self.baseline = "baseline" if "baseline" in names else names[0]
         if self.baseline not in names:
             raise AblationError(f"baseline {self.baseline!r} is not among the variants {names}")
-        unknown = set(self.eval) - _EVAL_KEYS
+        self.primary = to_plain(self.primary)
+        if self.primary is not None and (
+            not isinstance(self.primary, list) or len(self.primary) != 2 or not set(self.primary) <= set(names)
+        ):
+            raise AblationError(f"primary must name two of the variants {names} as [variant, reference]")
+        eval_keys = {f.name for f in fields(EvalConfig)} - {"model", "output_dir", "no_progress", "stop",
+                                                            "no_perplexity"} | {"stop_strings", "perplexity"}
+        unknown = set(self.eval) - eval_keys
         if unknown:
-            raise AblationError(f"eval: unknown keys {sorted(unknown)}; allowed {sorted(_EVAL_KEYS)}")
+            raise AblationError(f"eval: unknown keys {sorted(unknown)}; allowed {sorted(eval_keys)}")
+        self.base_config = self._find_base_config()
+
+    def _find_base_config(self) -> str:
+        if not self.base_config:
+            raise AblationError("`base_config:` (a kvdistill train YAML) is required")
+        base = Path(self.base_config)
+        here = Path(self.config_file).parent if self.config_file else Path(".")
+        if not base.exists() and (here / base).exists():
+            base = here / base
+        if not base.exists():
+            raise AblationError(f"base_config {self.base_config} not found (tried the CWD and {here})")
+        return str(base)
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
 
 
-_EVAL_KEYS = {
-    "data",
-    "split",
-    "field_map",
-    "limit",
-    "batch_size",
-    "max_new_tokens",
-    "template",
-    "chat_template",
-    "perplexity",
-    "max_length",
-    "dtype",
-    "device",
-    "stop_strings",
-}
-_CONFIG_KEYS = {
-    "base_config",
-    "out_dir",
-    "seeds",
-    "variants",
-    "overrides",
-    "baseline",
-    "eval",
-    "n_resamples",
-    "keep_going",
-}
-
-
 def load_ablation_config(path: str | Path, **overrides: Any) -> AblationConfig:
-    """Read an ablation YAML; `base_config` is found relative to the CWD or to the YAML's folder."""
-    path = Path(path)
-    if not path.exists():
-        raise AblationError(f"ablation config not found: {path}")
-    raw = yaml.safe_load(path.read_text()) or {}
-    raw.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = set(raw) - _CONFIG_KEYS
-    if unknown:
-        raise AblationError(f"{path}: unknown keys {sorted(unknown)}; allowed {sorted(_CONFIG_KEYS)}")
-    if "base_config" not in raw:
-        raise AblationError(f"{path}: `base_config:` (a kvdistill train YAML) is required")
-    base = Path(raw["base_config"])
-    if not base.exists() and (path.parent / base).exists():
-        base = path.parent / base
-    if not base.exists():
-        raise AblationError(f"base_config {raw['base_config']} not found (tried the CWD and {path.parent})")
-    raw["base_config"] = str(base)
-    raw["variants"] = resolve_variants(raw.get("variants"))
-    return AblationConfig(**raw)
+    """Read an ablation YAML (+ overrides, as the command line would give them)."""
+    argv = ["--config", str(path)]
+    for key, value in overrides.items():
+        if value is not None:
+            argv += [f"--{key}", value if isinstance(value, str) else json.dumps(value)]
+    return parse_config(AblationConfig, argv, "kvdistill ablate", __doc__)
 
 
 # ----------------------------------------------------------------------------- running
 
 
 def run_dir(cfg: AblationConfig, variant: str, seed: int) -> Path:
-    return Path(cfg.out_dir) / "runs" / variant / f"seed_{seed}"
+    return Path(cfg.output_dir) / "runs" / variant / f"seed_{seed}"
 
 
 def train_config_for(cfg: AblationConfig, variant: Variant, seed: int) -> dict[str, Any]:
@@ -297,13 +293,13 @@ def eval_settings_for(cfg: AblationConfig, train_cfg: Mapping[str, Any]) -> dict
 
 
 def _default_train(argv: list[str]) -> int:
-    from kvdistill.train.cli import main as train_main
+    from kvdistill.commands.train import main as train_main
 
     return int(train_main(argv) or 0)
 
 
 def _default_eval(model_dir: str, out_dir: str, settings: Mapping[str, Any]) -> dict[str, Any]:
-    from kvdistill.evaluate.eval import run_eval
+    from kvdistill.commands.eval import run_eval
 
     s = dict(settings)
     data = s.pop("data")
@@ -325,16 +321,16 @@ def run_ablation(
 
     Args:
         cfg: the ablation.
-        train_fn: `argv -> exit code`; default `kvdistill.train.cli.main` (in-process).
+        train_fn: `argv -> exit code`; default `kvdistill.commands.train.main` (in-process).
         eval_fn: `(model_dir, out_dir, settings) -> Any`, must write `out_dir/summary.json` and
-            `items.jsonl`; default `kvdistill.evaluate.eval.run_eval`.
+            `items.jsonl`; default `kvdistill.commands.eval.run_eval`.
 
     Returns:
         the report dict (also written to `out_dir/ablation.json`).
     """
     train_fn = train_fn or _default_train
     eval_fn = eval_fn or _default_eval
-    out = Path(cfg.out_dir)
+    out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
     total = len(cfg.variants) * len(cfg.seeds)
@@ -508,19 +504,8 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
 
 
 def _pm(stat: Mapping[str, float], digits: int = 3) -> str:
-    if not stat or stat.get("n", 0) == 0 or stat["mean"] is None or math.isnan(stat["mean"]):
-        return "–"
-    return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
-
-
-def _p(p: float | None) -> str:
-    if p is None or (isinstance(p, float) and math.isnan(p)):
-        return "–"
-    return "< 0.0001" if p < 1e-4 else f"{p:.4f}"
-
-
-def _signed(x: float | None, digits: int = 3) -> str:
-    return "–" if x is None or math.isnan(x) else f"{x:+.{digits}f}"
+    """`mean ± std` of a `{"mean", "std", "n"}` stat (– when no run has it)."""
+    return fmt_mean_std(stat["mean"], stat["std"], digits) if stat and stat.get("n", 0) else fmt_num(None)
 
 
 def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None = None) -> str:
@@ -542,8 +527,8 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
             delta = ttest_p = perm_p = ci = "–"
         else:
             b = cmp_["bootstrap"]
-            delta = _signed(cmp_["delta_accuracy"])
-            ttest_p, perm_p = _p(cmp_["ttest"]["p_value"]), _p(cmp_["permutation_p"])
+            delta = fmt_signed(cmp_["delta_accuracy"])
+            ttest_p, perm_p = fmt_p(cmp_["ttest"]["p_value"]), fmt_p(cmp_["permutation_p"])
             ci = "–" if math.isnan(b["ci_low"]) else f"[{b['ci_low']:+.3f}, {b['ci_high']:+.3f}]"
         lines.append(
             f"| {row['label']} | {len(row['seeds'])} | {_pm(row['accuracy'])} | {_pm(row['cos_sim'])} "
@@ -577,8 +562,8 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
     for row in report["variants"].values():
         for seed, r in row["runs"].items():
             lines.append(
-                f"| {row['label']} | {seed} | {_num(r['accuracy'])} | [{_num(r['ci_low'])}, {_num(r['ci_high'])}] "
-                f"| {r['n']} | {_num(r['cos_sim'])} | {_num(r['ce'])} | {_num(r['perplexity'], 2)} "
+                f"| {row['label']} | {seed} | {fmt_num(r['accuracy'])} | [{fmt_num(r['ci_low'])}, {fmt_num(r['ci_high'])}] "
+                f"| {r['n']} | {fmt_num(r['cos_sim'])} | {fmt_num(r['ce'])} | {fmt_num(r['perplexity'], 2)} "
                 f"| {r['global_step'] if r['global_step'] is not None else '–'} |"
             )
     lines += ["", "## Variants", ""]
@@ -601,26 +586,11 @@ def _metric(row: Mapping[str, Any], key: str) -> float | None:
     return None
 
 
-def _num(x: Any, digits: int = 3) -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-
-def _jsonable(obj: Any) -> Any:
-    """NaN/inf -> None so `ablation.json` is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
-
-
 def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]:
     """Write `ablation.md`, `ablation.json`, `ablation_accuracy.png` and `ablation_curves.png`."""
     from kvdistill.plots import plot_bars_with_errors, plot_run_curves
 
-    out = Path(cfg.out_dir)
+    out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     curves_raw = report.pop("_curves", {})
     rows = report["variants"]
@@ -651,65 +621,30 @@ def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]
         paths["curves_png"] = plot_run_curves(panels, out / "ablation_curves.png", title="Training curves")
         plots["training curves"] = paths["curves_png"].name
     paths["md"] = out / "ablation.md"
-    paths["md"].write_text(render_markdown(report, plots))
+    write_text_atomic(paths["md"], render_markdown(report, plots))
     paths["json"] = out / "ablation.json"
-    paths["json"].write_text(json.dumps(_jsonable(report), indent=2))
+    write_json_atomic(paths["json"], report, indent=2)
     return paths
 
 
-# ----------------------------------------------------------------------------- CLI
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvdistill ablate",
-        description="Train + evaluate variants x seeds (resumable), then ablation.md/json with paired tests "
-        "and plots.",
-        epilog="Built-in variants: "
-        + ", ".join(BUILTIN_VARIANTS)
-        + "; sets: "
-        + ", ".join(f"{k}={'+'.join(v)}" for k, v in VARIANT_SETS.items()),
-    )
-    p.add_argument(
-        "--config", default=None, help="ablation YAML (base_config, variants, seeds, eval, out_dir)"
-    )
-    p.add_argument("--out-dir", default=None, help="override out_dir")
-    p.add_argument("--seeds", default=None, help="override seeds, comma separated (e.g. 0,1,2,3,4)")
-    p.add_argument("--variants", default=None, help="override variants, comma separated names or sets")
-    p.add_argument("--keep-going", action="store_true", help="log a failed run and go on with the others")
-    p.add_argument(
-        "--report-only", action="store_true", help="train nothing; rebuild the report from finished runs"
-    )
-    p.add_argument("--list-variants", action="store_true", help="print the built-in variants and exit")
-    return p
+# ----------------------------------------------------------------------------- command
 
 
 def main(argv: list[str]) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    if a.list_variants:
+    cfg = parse_config(AblationConfig, argv, "kvdistill ablate", __doc__)
+    if cfg.list_variants:
         for name, (label, overrides) in BUILTIN_VARIANTS.items():
             print(f"{name:<18} {label:<28} {json.dumps(overrides, sort_keys=True)}")
         for name, members in VARIANT_SETS.items():
             print(f"set {name:<14} {', '.join(members)}")
         return 0
-    if a.config is None:
-        parser.error("--config is required (or --list-variants)")
-    extra: dict[str, Any] = {"out_dir": a.out_dir}
-    if a.seeds:
-        extra["seeds"] = [int(s) for s in a.seeds.split(",") if s.strip()]
-    if a.variants:
-        extra["variants"] = [v.strip() for v in a.variants.split(",") if v.strip()]
-    if a.keep_going:
-        extra["keep_going"] = True
-    cfg = load_ablation_config(a.config, **extra)
-    if a.report_only:
+    if cfg.report_only:
         report = summarize(cfg)
         report["failures"] = []
         write_report(report, cfg)
     else:
         report = run_ablation(cfg)
-    print(f"wrote {Path(cfg.out_dir) / 'ablation.md'}")
+    print(f"wrote {Path(cfg.output_dir) / 'ablation.md'}")
     return 1 if report.get("failures") else 0
 
 

@@ -1,4 +1,6 @@
-"""Offline fixtures: tokenizers built in-process and tiny random-init models, saved to disk.
+"""A tiny offline model world: tokenizers built in-process and tiny random-init models, saved to disk.
+
+Used by `kvdistill smoke`, the step benchmark and the test suite.
 
 Everything is written with `save_pretrained` and read back through the same `from_pretrained`
 path users take (`kvdistill.models`), so tests exercise the real loading code without a Hub.
@@ -7,50 +9,20 @@ The shapes differ on every KV axis on purpose: layers, KV heads (GQA), head dims
 
 from __future__ import annotations
 
-import argparse
 import json
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
-    PretrainedConfig,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
+from kvdistill.models import build_tokenizer, save_random_model
 from kvdistill.synthetic import make_splits, write_jsonl
-
-SPECIAL = {"eos_token": "</s>", "pad_token": "<pad>", "bos_token": "<s>", "unk_token": "<unk>"}
-
-
-def build_tokenizer(texts: list[str], vocab_size: int, split_digits: bool = False) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on `texts`; different sizes give different token counts.
-
-    `split_digits=True` keeps every digit its own token (as Llama/Qwen tokenizers do), which makes
-    arithmetic learnable for tiny models while words still merge into short sequences.
-    """
-    tok = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if split_digits else byte_level
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL.values()),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
 
 
 def tiny_configs(vocab: int, alt_vocab: int) -> dict[str, tuple[object, str]]:
@@ -78,19 +50,6 @@ def tiny_configs(vocab: int, alt_vocab: int) -> dict[str, tuple[object, str]]:
         "gpt2": (GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=512,
                             bos_token_id=0, eos_token_id=0), "bpe"),
     }
-
-
-def save_random_model(cfg: PretrainedConfig, tok: PreTrainedTokenizerBase, path: Path) -> Path:
-    """A random-init causal LM of `cfg` using `tok`'s special tokens, saved with `tok` at `path`.
-
-    Seeding is the caller's: the weights come from torch's global RNG.
-    """
-    from transformers import AutoModelForCausalLM
-
-    cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tok.eos_token_id, tok.pad_token_id, tok.bos_token_id
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 @dataclass
@@ -134,25 +93,3 @@ def build_tiny_world(root: str | Path, seed: int = 0, n_train: int = 256, n_test
         "data_dir": str(world.data_dir),
     }, indent=1))
     return world
-
-
-def main(argv: list[str]) -> int:
-    """`kvdistill smoke`: build the fixtures, load them back like a user would, print KV shapes."""
-    from kvdistill.cache import extract_kv
-    from kvdistill.data import DistillCollator, load_records
-    from kvdistill.models import load_model, load_tokenizer, param_count
-
-    p = argparse.ArgumentParser(prog="kvdistill smoke", description=main.__doc__)
-    p.add_argument("--out", default=None, help="where to write the fixtures (default: a temp dir)")
-    a = p.parse_args(argv)
-    root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="kvdistill_smoke_"))
-    world = build_tiny_world(root)
-    records = load_records(world.data_dir, split="test", limit=2)
-    print(f"fixtures in {root}")
-    print(f"{'model':<24}{'params':>10}  keys [L, B, H_kv, T, D]")
-    for name, path in world.models.items():
-        model, tok = load_model(path, dtype="fp32"), load_tokenizer(path)
-        batch = DistillCollator(tok, max_length=128)(records)
-        kv = extract_kv(model, batch["input_ids"], batch["attention_mask"], batch["segment_ids"])
-        print(f"{name:<24}{param_count(model):>10,}  {list(kv.keys.shape)}")
-    return 0

@@ -1,4 +1,7 @@
-"""The training recipe: config -> models, data, aligners -> `KVDistillTrainer` -> outputs."""
+"""`kvdistill train`: the training recipe, config -> models, data, aligners -> `KVDistillTrainer` -> outputs.
+
+    kvdistill train --config x.yaml [--key value ...]
+"""
 
 from __future__ import annotations
 
@@ -12,14 +15,15 @@ from accelerate import PartialState
 from transformers import set_seed
 
 from kvdistill.align.aligner import KVAligner
-from kvdistill.align.layers import build_layer_map
+from kvdistill.align.layer_map import build_layer_map
 from kvdistill.cache import extract_kv
 from kvdistill.data import DistillCollator, TeacherView, load_records
 from kvdistill.fusion import TeacherFusion
+from kvdistill.io import write_json_atomic
 from kvdistill.losses import build_kv_loss
 from kvdistill.models import config_hash, load_model, load_tokenizer, num_layers
 from kvdistill.teachers import TeacherSet, load_teacher
-from kvdistill.train.config import KVDistillConfig
+from kvdistill.train.config import KVDistillConfig, parse_config
 from kvdistill.train.model import KVDistillModel, LossWeights
 from kvdistill.train.trainer import KVDistillTrainer
 
@@ -60,7 +64,8 @@ def teacher_correctness(cfg: KVDistillConfig, teachers: TeacherSet, records: lis
     Under several processes the main one answers and writes the cache first; the others wait
     (`main_process_first`) and read it, so no two ranks write the file at once.
     """
-    from kvdistill.evaluate.eval import evaluate_model, write_text_atomic
+    from kvdistill.evaluate.scoring import evaluate_model
+    from kvdistill.io import write_text_atomic
 
     state = PartialState()
     cache = Path(cfg.output_dir) / "teacher_correctness.json"
@@ -166,6 +171,16 @@ def run_training(cfg: KVDistillConfig) -> Path:
             "teachers": trainer.teachers.manifest(),
             "student": cfg.student,
         }
-        (out / "train_summary.json").write_text(json.dumps(summary, indent=1))
+        write_json_atomic(out / "train_summary.json", summary)
         plot_training_curves(out / "metrics.jsonl", out)
     return out
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(argv)  # a bad config fails here, before any model loads
+    out = run_training(cfg)
+    summary = out / "train_summary.json"
+    if summary.exists():
+        print(json.dumps(json.loads(summary.read_text())["final"], indent=1))
+    print(f"student and aligners saved to {out}")
+    return 0

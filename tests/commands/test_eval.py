@@ -7,17 +7,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from kvdistill.commands.eval import main, resolve_model_dir
 from kvdistill.data import format_prompt, load_records, pad_batch, tokenize_example
 from kvdistill.evaluate.answers import gold_answer
-from kvdistill.evaluate.eval import (
+from kvdistill.evaluate.scoring import (
     StopOnStrings,
     default_stop_strings,
     evaluate_model,
     generate_completions,
-    main,
     read_items,
     reference_perplexity,
-    resolve_model_dir,
     score_completions,
     truncate_at_stop,
     use_chat,
@@ -221,7 +220,7 @@ def test_lm_eval_harness_runs_on_saved_student(tiny_world):
 def test_kvdistill_run_dir_uses_its_training_template(tiny_world, tmp_path):
     import shutil
 
-    from kvdistill.evaluate.eval import run_eval, training_prompt_settings
+    from kvdistill.commands.eval import run_eval, training_prompt_settings
 
     run = tmp_path / "run"
     shutil.copytree(tiny_world.models["student"], run)

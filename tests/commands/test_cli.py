@@ -8,7 +8,7 @@ from pathlib import Path
 from kvdistill import __version__
 from kvdistill.cli import COMMANDS, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_version_and_help(capsys):

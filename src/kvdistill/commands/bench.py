@@ -19,21 +19,24 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import importlib.util
 import json
-import math
 import os
 import platform
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
+
+from kvdistill.config import ConfigError, option, parse_config
+from kvdistill.io import repo_relative, write_json_atomic, write_text_atomic
+from kvdistill.report import fmt_sig, markdown_table
 
 BENCH_PREFIX = "bench_"
 README_NAME = "README.md"
@@ -105,7 +108,7 @@ def machine_info() -> dict[str, Any]:
 
 def run_benchmark(name: str, path: Path, quick: bool) -> dict[str, Any]:
     """Import and run one benchmark; an exception is recorded, not raised."""
-    record: dict[str, Any] = {"benchmark": name, "file": str(path), "quick": quick}
+    record: dict[str, Any] = {"benchmark": name, "file": repo_relative(path), "quick": quick}
     t0 = time.perf_counter()
     try:
         result = load_benchmark(path).run(quick=quick)
@@ -120,45 +123,21 @@ def run_benchmark(name: str, path: Path, quick: bool) -> dict[str, Any]:
     return record
 
 
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    if hasattr(obj, "item"):  # numpy scalars
-        return obj.item()
-    return str(obj)
-
-
 # --------------------------------------------------------------------------- Markdown
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        if v == 0 or not math.isfinite(v):
-            return str(v)
-        return f"{v:.4g}" if 1e-3 <= abs(v) < 1e5 else f"{v:.3e}"
-    if isinstance(v, (list, tuple)):
-        return "×".join(_fmt(x) for x in v)
-    return str(v).replace("|", "\\|").replace("\n", " ")
+def _cell(v: Any) -> str:
+    if isinstance(v, (list, tuple)):  # shapes
+        return "×".join(_cell(x) for x in v)
+    return fmt_sig(v, 4)
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
+def rows_table(rows: list[dict[str, Any]]) -> str:
     """Rows (dicts) → a Markdown table; columns are the union of keys in first-seen order."""
     if not rows:
         return "_(no rows)_\n"
     cols = list(dict.fromkeys(k for r in rows for k in r))
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return markdown_table(cols, [[_cell(r.get(c, "")) for c in cols] for r in rows])
 
 
 def render_section(record: dict[str, Any]) -> str:
@@ -170,8 +149,8 @@ def render_section(record: dict[str, Any]) -> str:
     if "error" in record:
         out.append(f"**Failed:** `{record['error']}`\n")
     else:
-        out.append(markdown_table(list(res.get("results") or [])))
-        headline = [f"{k}: **{_fmt(res[k])}**" for k in ("ratio", "target", "passed") if k in res]
+        out.append(rows_table(list(res.get("results") or [])))
+        headline = [f"{k}: **{_cell(res[k])}**" for k in ("ratio", "target", "passed") if k in res]
         if headline:
             out.append("\n" + " · ".join(headline) + "\n")
         extra = {
@@ -181,7 +160,7 @@ def render_section(record: dict[str, Any]) -> str:
             and isinstance(v, (str, int, float, bool))
         }
         if extra:
-            out.append("\n" + "\n".join(f"- {k}: {_fmt(v)}" for k, v in extra.items()) + "\n")
+            out.append("\n" + "\n".join(f"- {k}: {_cell(v)}" for k, v in extra.items()) + "\n")
     m = record.get("machine", {})
     out.append(
         f"\n<sub>`bench_{name}.py` · quick={record.get('quick')} · {record.get('wall_s')} s · "
@@ -217,37 +196,33 @@ def write_readme(out_dir: Path) -> Path:
         }
         for r in records
     ]
-    lines.append(markdown_table(summary))
+    lines.append(rows_table(summary))
     lines += [render_section(r) for r in records]
-    path = Path(out_dir) / README_NAME
-    path.write_text("\n".join(lines))
-    return path
+    return write_text_atomic(Path(out_dir) / README_NAME, "\n".join(lines))
 
 
 # --------------------------------------------------------------------------- command
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvdistill bench", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--only", default="", help="comma-separated benchmark names (e.g. align,cka,step); default all"
-    )
-    p.add_argument("--quick", action="store_true", help="small sizes / few repeats (seconds)")
-    p.add_argument("--out", default=None, help="output directory (default: <benchmarks dir>/results)")
-    p.add_argument("--benchmarks-dir", default=None, help="directory holding bench_*.py (default: found)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before running")
-    p.add_argument("--fail-on-miss", action="store_true", help="exit 1 when a benchmark misses its target")
-    p.add_argument("--list", action="store_true", help="list the benchmarks found and exit")
-    return p
+@dataclass
+class BenchConfig:
+    """Options of `kvdistill bench`."""
+
+    only: str = option("", "Comma-separated benchmark names (e.g. align,cka,step); default all.")
+    quick: bool = option(False, "Small sizes / few repeats (seconds).")
+    output_dir: str | None = option(None, "Output directory (default: <benchmarks dir>/results).", aliases=["--out"])
+    benchmarks_dir: str | None = option(None, "Directory holding bench_*.py (default: found from the checkout).")
+    threads: int | None = option(None, "torch.set_num_threads before running (recorded with every result).")
+    fail_on_miss: bool = option(False, "Exit 1 when a benchmark misses its target.")
+    list: bool = option(False, "List the benchmarks found and exit.")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_config(BenchConfig, argv, "kvdistill bench", __doc__)
     try:
         bench_dir = Path(args.benchmarks_dir) if args.benchmarks_dir else find_benchmarks_dir()
     except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(exc)) from None
     found = discover(bench_dir)
     if args.list:
         print("\n".join(f"{n}\t{p}" for n, p in found.items()) or "(none)")
@@ -255,28 +230,24 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(found)
     unknown = [n for n in names if n not in found]
     if unknown or not names:
-        print(
-            f"error: unknown benchmark(s) {unknown} in {bench_dir}; available: {sorted(found)}",
-            file=sys.stderr,
-        )
-        return 2
+        raise ConfigError(f"unknown benchmark(s) {unknown} in {bench_dir}; available: {sorted(found)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    out_dir = Path(args.out) if args.out else bench_dir / "results"
+    out_dir = Path(args.output_dir) if args.output_dir else bench_dir / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
 
     rc = 0
     for name in names:
         print(f"[bench] {name} (quick={args.quick}) ...", flush=True)
         record = run_benchmark(name, found[name], args.quick)
-        (out_dir / f"{name}.json").write_text(json.dumps(_jsonable(record), indent=2) + "\n")
+        write_json_atomic(out_dir / f"{name}.json", record, indent=2)
         if "error" in record:
             print(record["traceback"], file=sys.stderr)
             print(f"[bench] {name}: FAILED {record['error']}")
             rc = 1
             continue
         res = record["result"]
-        print(markdown_table(list(res.get("results") or [])))
+        print(rows_table(list(res.get("results") or [])))
         verdict = {k: res[k] for k in ("ratio", "target", "passed") if k in res}
         print(f"[bench] {name}: {verdict or 'done'} in {record['wall_s']} s")
         if args.fail_on_miss and res.get("passed") is False:

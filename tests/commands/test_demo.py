@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from kvdistill.demo import main as demo_main
+from kvdistill.commands.demo import main as demo_main
 
 
 @pytest.mark.slow

@@ -17,15 +17,16 @@ Example:
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from kvdistill.config import ConfigError, check_choice, option, parse_config
+from kvdistill.io import write_json_atomic
 
 MiB = 2**20
 
@@ -72,44 +73,45 @@ def _shape(x: Any) -> str:
     return "-"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvdistill profile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--teacher", required=True, help="teacher model: Hub id or local directory")
-    p.add_argument("--student", required=True, help="student model: Hub id or local directory")
-    p.add_argument("--mode", choices=("flat", "structured"), default="flat", help="head alignment mode")
-    p.add_argument("--projector", choices=("linear", "elastic"), default="linear", help="dim projector kind")
-    p.add_argument("--mlp-ratio", type=float, default=1.0, help="Elastic Bottleneck width ratio")
-    p.add_argument(
-        "--time-mode", choices=("segment", "global", "index"), default="segment", help="time alignment"
-    )
-    p.add_argument(
-        "--direction",
-        choices=("teacher_to_student", "student_to_teacher"),
-        default="teacher_to_student",
-        help="which side the projectors map",
-    )
-    p.add_argument("--layer-map", default=None, help="layer-map JSON (default: proportional)")
-    p.add_argument("--loss", default="mercator", help="KV loss for the loss/backward stages")
-    p.add_argument("--batch-size", type=int, default=2, help="examples in the batch")
-    p.add_argument("--max-length", type=int, default=128, help="token limit per example")
-    p.add_argument(
-        "--data",
-        default=None,
-        help="GSM8K-format data (jsonl/json/parquet file, directory or Hub id); default: synthetic problems",
-    )
-    p.add_argument("--split", default="train", help="split of --data")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda if available)")
-    p.add_argument("--dtype", default="fp32", help="model dtype: fp32 | bf16 | fp16 | auto")
-    p.add_argument("--key-space", choices=("post_rope", "pre_rope"), default="post_rope", help="which keys")
-    p.add_argument("--seed", type=int, default=0, help="seed for synthetic data and projector init")
-    p.add_argument("--json", default=None, help="also write the table as JSON to this path")
-    return p
+@dataclass
+class ProfileConfig:
+    """Options of `kvdistill profile`."""
+
+    teacher: str | None = option(None, "Teacher model: Hub id or local directory. Required.")
+    student: str | None = option(None, "Student model: Hub id or local directory. Required.")
+    mode: str = option("flat", "Head alignment mode: flat | structured.")
+    projector: str = option("linear", "Dim projector kind: linear | elastic.")
+    mlp_ratio: float = option(1.0, "Elastic Bottleneck width ratio.")
+    time_mode: str = option("segment", "Time alignment: segment | global | index.")
+    direction: str = option("teacher_to_student", "Which side the projectors map: teacher_to_student | "
+                            "student_to_teacher.")
+    layer_map: str | None = option(None, "Layer-map JSON (default: proportional).")
+    loss: str = option("mercator", "KV loss for the loss/backward stages.")
+    batch_size: int = option(2, "Examples in the batch.")
+    max_length: int = option(128, "Token limit per example.")
+    data: str | None = option(None, "GSM8K-format data (jsonl/json/parquet file, directory or Hub id); "
+                              "default: synthetic problems.")
+    split: str = option("train", "Split of --data.")
+    device: str = option("auto", "cpu, cuda, cuda:1 ... (auto: cuda if available).")
+    dtype: str = option("fp32", "Model dtype: fp32 | bf16 | fp16 | auto.")
+    key_space: str = option("post_rope", "Which keys: post_rope | pre_rope.")
+    seed: int = option(0, "Seed for synthetic data and projector init.")
+    json: str | None = option(None, "Also write the table as JSON to this path.")
+
+    def __post_init__(self) -> None:
+        if not self.teacher or not self.student:
+            raise ConfigError("pass both --teacher and --student (Hub ids or local model directories)")
+        for name, allowed in (("mode", ("flat", "structured")), ("projector", ("linear", "elastic")),
+                              ("time_mode", ("segment", "global", "index")),
+                              ("direction", ("teacher_to_student", "student_to_teacher")),
+                              ("key_space", ("post_rope", "pre_rope"))):
+            check_choice(name, getattr(self, name), allowed)
 
 
-def profile_pair(args: argparse.Namespace) -> dict[str, Any]:
+def profile_pair(args: ProfileConfig) -> dict[str, Any]:
     """Run the profile and return `{"stages": [...], "aligner": {...}, ...}` (also used by tests)."""
     from kvdistill.align.aligner import KVAligner
-    from kvdistill.align.layers import load_layer_map
+    from kvdistill.align.layer_map import load_layer_map
     from kvdistill.cache import extract_kv, forward_with_kv
     from kvdistill.data import DistillCollator, TeacherView, load_records
     from kvdistill.losses import aligned_kv_loss, build_kv_loss
@@ -228,7 +230,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_config(ProfileConfig, argv, "kvdistill profile", __doc__)
     report = profile_pair(args)
     print(f"teacher {report['teacher']}: {report['teacher_kv']}")
     print(f"student {report['student']}: {report['student_kv']}   device {report['device']}")
@@ -238,6 +240,5 @@ def main(argv: list[str]) -> int:
         f"aligner parameters: {report['aligner']['params']['total']:,}   initial cos-sim {report['cos_sim']:.3f}"
     )
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_json_atomic(args.json, report)
     return 0

@@ -1,4 +1,4 @@
-"""`kvdistill eval`: GSM8K-style accuracy and held-out perplexity of any HF causal LM.
+"""Scoring a causal LM: GSM8K-style accuracy and held-out perplexity (used by `kvdistill eval`).
 
 Accuracy: batched greedy generation (left padding, so every prompt ends at the same column
 and the new tokens start together), stopped per row on EOS or on a stop string (the next
@@ -10,16 +10,16 @@ exactly as in training (`kvdistill.data.tokenize_example`: same template, same E
 student's held-out perplexity is comparable with its training CE.
 
 Example:
-    kvdistill eval --model runs/student --data synthetic --limit 200 --out runs/student/eval
+    >>> result = evaluate_model(model, tokenizer, records, batch_size=16)
+    >>> result["accuracy"], result["perplexity"]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from kvdistill.data import DEFAULT_TEMPLATE, format_prompt, load_records, pad_batch, tokenize_example
+from kvdistill.data import DEFAULT_TEMPLATE, format_prompt, pad_batch, tokenize_example
 from kvdistill.evaluate.answers import extract_answer, gold_answer, is_correct
 from kvdistill.evaluate.stats import wilson_interval
+from kvdistill.io import write_json_atomic
+from kvdistill.models import model_device
 
 CHAT_MODES = ("auto", "on", "off")
 
@@ -101,16 +103,6 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def _model_device(model: Any) -> torch.device:
-    device = getattr(model, "device", None)
-    if device is not None:
-        return torch.device(device)
-    try:
-        return next(model.parameters()).device
-    except (AttributeError, StopIteration):
-        return torch.device("cpu")
-
-
 # ----------------------------------------------------------------------------- generation
 
 
@@ -140,7 +132,7 @@ def generate_completions(
     """
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     out: list[str] = [""] * len(prompts)
-    device = _model_device(model)
+    device = model_device(model)
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     side = tokenizer.padding_side
@@ -202,7 +194,7 @@ def reference_perplexity(
     Returns:
         `{"perplexity", "nll" (mean per token), "tokens"}`.
     """
-    device = _model_device(model)
+    device = model_device(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     total_nll, total_tokens = 0.0, 0
     for start in range(0, len(records), batch_size):
@@ -345,13 +337,6 @@ def evaluate_model(
     return summary
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file and a rename: a killed run never leaves half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    return tmp.replace(path)
-
-
 def write_results(result: Mapping[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
     """Write `items.jsonl` (one row per question) and `summary.json` (everything else).
 
@@ -364,7 +349,7 @@ def write_results(result: Mapping[str, Any], out_dir: str | Path) -> tuple[Path,
         for row in result.get("items", []):
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
     summary = {k: v for k, v in result.items() if k != "items"}
-    write_text_atomic(summary_path, json.dumps(summary, indent=2, ensure_ascii=False))
+    write_json_atomic(summary_path, summary, indent=2)
     return items_path, summary_path
 
 
@@ -372,195 +357,3 @@ def read_items(out_dir: str | Path) -> list[dict]:
     """The per-item rows written by `write_results`."""
     with (Path(out_dir) / "items.jsonl").open(encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
-
-
-# ----------------------------------------------------------------------------- model dirs
-
-
-def resolve_model_dir(path: str | Path) -> str:
-    """Where the HF weights of `path` are: the dir itself, its `student/`, or its latest checkpoint.
-
-    A kvdistill run dir holds the final student at top level; a run still in progress only has
-    `checkpoint-N/` dirs. Hub ids and plain model dirs are returned unchanged.
-    """
-    p = Path(path)
-    if not p.is_dir() or (p / "config.json").exists():
-        return str(path)
-    if (p / "student" / "config.json").exists():
-        return str(p / "student")
-    ckpts = sorted(
-        (c for c in p.glob("checkpoint-*") if c.name.split("-")[-1].isdigit()),
-        key=lambda c: int(c.name.split("-")[-1]),
-    )
-    for c in reversed(ckpts):
-        for cand in (c / "student", c):
-            if (cand / "config.json").exists():
-                return str(cand)
-    return str(path)
-
-
-def _tokenizer_dir(model_dir: str) -> str:
-    """The model dir if it holds a tokenizer, else the nearest parent that does (run dir)."""
-    p = Path(model_dir)
-    if not p.is_dir():
-        return model_dir
-    for cand in (p, *p.parents[:2]):
-        if any((cand / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-            return str(cand)
-    return model_dir
-
-
-def training_prompt_settings(model_dir: str | Path) -> dict[str, Any] | None:
-    """`{"template", "chat_template"}` a kvdistill run was trained with (its `kvdistill_config.yaml`).
-
-    Looked up in the model dir and its parent (a `checkpoint-N/` of a run); `None` for any
-    other model, which then gets the defaults.
-    """
-    p = Path(model_dir)
-    if not p.is_dir():
-        return None
-    for cand in (p, p.parent):
-        cfg_path = cand / "kvdistill_config.yaml"
-        if cfg_path.exists():
-            import yaml
-
-            cfg = yaml.safe_load(cfg_path.read_text()) or {}
-            return {
-                "template": cfg.get("prompt_template") or DEFAULT_TEMPLATE,
-                # training falls back to the plain template when the tokenizer has no chat template
-                "chat_template": "auto" if cfg.get("use_chat_template") else "off",
-            }
-    return None
-
-
-def run_eval(
-    model_path: str | Path,
-    *,
-    data: str = "synthetic",
-    split: str = "test",
-    field_map: Any = None,
-    limit: int | None = None,
-    out: str | Path | None = None,
-    dtype: str = "auto",
-    device: str | None = None,
-    log: Callable[[str], None] = print,
-    **kwargs: Any,
-) -> dict[str, Any]:
-    """Load a model (Hub id, model dir or kvdistill run dir) and data, evaluate, write to `out`.
-
-    `kwargs` go to `evaluate_model` (batch_size, max_new_tokens, template, chat_template, ...).
-    `template` / `chat_template` left out (or None) come from the run's training config when
-    `model_path` is a kvdistill run, else the defaults (plain template, chat template if any).
-    """
-    from kvdistill.models import load_model, load_tokenizer
-
-    model_dir = resolve_model_dir(model_path)
-    trained = training_prompt_settings(model_dir) or {}
-    for key in ("template", "chat_template"):
-        if kwargs.get(key) is None:
-            kwargs.pop(key, None)
-            if key in trained:
-                kwargs[key] = trained[key]
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = load_tokenizer(_tokenizer_dir(model_dir))
-    model = load_model(model_dir, dtype=dtype, device=device)
-    records = load_records(data, split=split, field_map=field_map, limit=limit)
-    log(f"eval: {model_dir} on {data}:{split} ({len(records)} questions, device {device})")
-    result = evaluate_model(model, tokenizer, records, **kwargs)
-    result.update(
-        {
-            "model": str(model_path),
-            "model_dir": model_dir,
-            "data": str(data),
-            "split": split,
-            "limit": limit,
-            "dtype": dtype,
-            "device": str(device),
-        }
-    )
-    if out is not None:
-        items_path, summary_path = write_results(result, out)
-        log(f"wrote {items_path} and {summary_path}")
-    return result
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvdistill eval",
-        description="GSM8K-style accuracy (greedy, #### / last-number extraction, Wilson 95% CI) and "
-        "reference perplexity of a causal LM.",
-    )
-    p.add_argument("--model", required=True, help="Hub id, local model dir, or kvdistill run/checkpoint dir")
-    p.add_argument(
-        "--data", default="synthetic", help="Hub id, local jsonl/json/parquet file or dir, or 'synthetic'"
-    )
-    p.add_argument("--split", default="test", help="dataset split (default: test)")
-    p.add_argument(
-        "--field-map",
-        default=None,
-        help='column map: a name (gsm8k, svamp, math) or JSON {"question": col, "answer": col}',
-    )
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="generation budget per question")
-    p.add_argument(
-        "--template",
-        default=None,
-        help="prompt template with {question}; default: the training template of a kvdistill run, else "
-        + repr(DEFAULT_TEMPLATE),
-    )
-    p.add_argument(
-        "--chat-template",
-        choices=CHAT_MODES,
-        default=None,
-        help="use the tokenizer's chat template: auto (if it has one), on, off; default: as the kvdistill "
-        "run was trained, else auto",
-    )
-    p.add_argument(
-        "--stop",
-        action="append",
-        default=None,
-        help="stop string (repeatable); default: newline + the template text before {question}",
-    )
-    p.add_argument("--no-perplexity", action="store_true", help="skip the reference perplexity")
-    p.add_argument("--max-length", type=int, default=512, help="token limit of the perplexity examples")
-    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--out", default=None, help="write DIR/items.jsonl and DIR/summary.json")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-def main(argv: list[str]) -> int:
-    a = build_parser().parse_args(argv)
-    field_map = a.field_map
-    if field_map and field_map.strip().startswith("{"):
-        field_map = json.loads(field_map)
-    result = run_eval(
-        a.model,
-        data=a.data,
-        split=a.split,
-        field_map=field_map,
-        limit=a.limit,
-        out=a.out,
-        dtype=a.dtype,
-        device=a.device,
-        batch_size=a.batch_size,
-        max_new_tokens=a.max_new_tokens,
-        template=a.template,
-        chat_template=a.chat_template,
-        stop_strings=a.stop,
-        perplexity=not a.no_perplexity,
-        max_length=a.max_length,
-        progress=False if a.no_progress else None,
-    )
-    ppl = result["perplexity"]
-    print(
-        f"accuracy {result['accuracy']:.4f} ({result['n_correct']}/{result['n']}), "
-        f"95% CI [{result['ci_low']:.4f}, {result['ci_high']:.4f}]"
-        + (f", perplexity {ppl:.3f}" if ppl is not None else "")
-    )
-    return 0

@@ -19,12 +19,9 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
-import json
 import math
 import os
-import statistics
 import sys
 import time
 import zlib
@@ -37,7 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvdistill.align.projectors import build_projector, param_count
+from kvdistill.align.projectors import build_projector
+from kvdistill.config import ConfigError, check_choice, option, parse_config
+from kvdistill.evaluate.stats import mean_std
+from kvdistill.io import write_json_atomic, write_text_atomic
+from kvdistill.report import fmt_mean_std, fmt_pct, fmt_sig, param_count
 
 PROJECTORS = ("linear", "elastic")
 SCENARIOS = ("simple", "outliers", "nonlinear")
@@ -347,10 +348,6 @@ def train_one(
     }
 
 
-def _mean_std(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
 def improvement_pct(linear: float, elastic: float) -> float:
     """Seed 000's "advantage": `(L_linear − L_elastic) / L_linear`, positive when elastic is better."""
     return 100.0 * (linear - elastic) / linear if linear else float("nan")
@@ -471,7 +468,7 @@ def _summarise(
     metrics = ("train_mse", "test_mse", "train_cos", "test_cos", "train_loss_last", "train_loss_best")
     summary: dict[str, Any] = {}
     for k, rs in per.items():
-        summary[k] = {m: dict(zip(("mean", "std"), _mean_std([r[m] for r in rs]))) for m in metrics}
+        summary[k] = {m: dict(zip(("mean", "std"), mean_std([r[m] for r in rs])[:2])) for m in metrics}
         summary[k].update(
             lr=rs[0]["lr"],
             params=rs[0]["params"],
@@ -498,7 +495,7 @@ def _summarise(
         "wall_s": round(wall, 3),
         "projectors": summary,
         "comparison": comparison,
-        "mean_predictor_test_mse": dict(zip(("mean", "std"), _mean_std(reference))),
+        "mean_predictor_test_mse": dict(zip(("mean", "std"), mean_std(reference)[:2])),
         "seed_000": {**SEED_FINAL_LOSS[scenario], "improvement_pct": SEED_IMPROVEMENT_PCT[scenario]},
     }
 
@@ -544,19 +541,7 @@ def param_check(
 
 
 def _pm(s: dict[str, float], digits: int = 3) -> str:
-    return f"{_num(s['mean'], digits)} ± {_num(s['std'], digits)}"
-
-
-def _num(v: float, digits: int = 3) -> str:
-    if not math.isfinite(v):
-        return str(v)
-    if v == 0:
-        return "0"
-    return f"{v:.{digits}g}" if 1e-3 <= abs(v) < 1e4 else f"{v:.{max(digits - 1, 1)}e}"
-
-
-def _pct(v: float) -> str:
-    return "n/a" if not math.isfinite(v) else f"{v:+.1f} %"
+    return fmt_mean_std(s["mean"], s["std"], digits, sig=True)
 
 
 def _one_line(run: dict[str, Any]) -> str:
@@ -564,7 +549,7 @@ def _one_line(run: dict[str, Any]) -> str:
     return (
         f"{run['scenario']:<9} {run['variant']:<12} train MSE lin {_pm(p['linear']['train_mse'])} | "
         f"ela {_pm(p['elastic']['train_mse'])}  held-out lin {_pm(p['linear']['test_mse'])} | "
-        f"ela {_pm(p['elastic']['test_mse'])}  Δheld-out {_pct(c['test_mse']['improvement_pct'])} "
+        f"ela {_pm(p['elastic']['test_mse'])}  Δheld-out {fmt_pct(c['test_mse']['improvement_pct'])} "
         f"({run['wall_s']:.1f} s)"
     )
 
@@ -582,8 +567,8 @@ def results_table(result: dict[str, Any]) -> str:
         lin, el, c = r["projectors"]["linear"], r["projectors"]["elastic"], r["comparison"]
         lines.append(
             f"| {r['scenario']} | {r['variant']} | {_pm(lin['train_mse'])} | {_pm(el['train_mse'])} "
-            f"| {_pct(c['train_mse']['improvement_pct'])} | {_pm(lin['test_mse'])} | {_pm(el['test_mse'])} "
-            f"| {_pct(c['test_mse']['improvement_pct'])} | {_num(r['mean_predictor_test_mse']['mean'])} "
+            f"| {fmt_pct(c['train_mse']['improvement_pct'])} | {_pm(lin['test_mse'])} | {_pm(el['test_mse'])} "
+            f"| {fmt_pct(c['test_mse']['improvement_pct'])} | {fmt_sig(r['mean_predictor_test_mse']['mean'])} "
             f"| {lin['test_cos']['mean']:.3f} / {el['test_cos']['mean']:.3f} "
             f"| {c['train_mse']['elastic_wins']}, {c['test_mse']['elastic_wins']} |"
         )
@@ -605,7 +590,7 @@ def seed_table(result: dict[str, Any]) -> str:
         same = (ours > 0) == (sd["improvement_pct"] > 0)
         lines.append(
             f"| {r['scenario']} | {r['variant']} | {_pm(lin['train_loss_best'])} | {_pm(el['train_loss_best'])} "
-            f"| {_pct(ours)} | {sd['linear']:g} / {sd['elastic']:g} | {_pct(sd['improvement_pct'])} "
+            f"| {fmt_pct(ours)} | {sd['linear']:g} / {sd['elastic']:g} | {fmt_pct(sd['improvement_pct'])} "
             f"| {'yes' if same else '**no**'} |"
         )
     return "\n".join(lines) + "\n"
@@ -700,74 +685,53 @@ def write_outputs(
             plot_ab_curves(curves, path, title=f"{r['scenario']} · {r['variant']} · {len(r['seeds'])} seeds")
             pngs.append(path)
     md = out_dir / "ab_projector.md"
-    md.write_text(render_markdown(result, params, [str(p) for p in pngs]))
+    write_text_atomic(md, render_markdown(result, params, [str(p) for p in pngs]))
     js = out_dir / "ab_projector.json"
-    js.write_text(json.dumps(_finite({**result, "param_check": params}), indent=1) + "\n")
+    write_json_atomic(js, {**result, "param_check": params})
     return [md, js, *pngs]
-
-
-def _finite(obj: Any) -> Any:
-    """JSON has no NaN/inf: write them as strings."""
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    return obj
 
 
 # --------------------------------------------------------------------------- command
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvdistill ab-projector",
-        description="Linear vs Elastic Bottleneck projector A/B test on three synthetic scenarios (seed 000).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--out", default=None, help="write ab_projector.md/.json and curves_*.png here")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
-    p.add_argument("--variants", default="base", help=f"comma-separated subset of {list(VARIANTS)}")
-    p.add_argument("--all-variants", action="store_true", help="run every variant")
-    p.add_argument("--seeds", type=int, default=5, help="number of seeds")
-    p.add_argument("--seed0", type=int, default=0, help="first seed")
-    p.add_argument(
-        "--steps", type=int, default=None, help="override every scenario's base steps (default 40)"
-    )
-    p.add_argument("--long-steps", type=int, default=200, help="steps of the more-steps variant")
-    p.add_argument("--d-in", type=int, default=1024, help="teacher feature size")
-    p.add_argument("--d-out", type=int, default=512, help="student feature size")
-    p.add_argument("--n-train", type=int, default=64, help="training tokens (prototype: B=2 x T=32)")
-    p.add_argument("--n-test", type=int, default=512, help="held-out tokens from the same teacher")
-    p.add_argument(
-        "--outlier-rate", type=float, default=0.02, help="fraction of outlier channels (or entries)"
-    )
-    p.add_argument("--outlier-value", type=float, default=20.0, help="outlier magnitude (random sign)")
-    p.add_argument(
-        "--outlier-mode", choices=("channel", "entry"), default="channel", help="where outliers sit"
-    )
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (fixed for reproducibility)")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG curves")
-    p.add_argument("--no-param-check", action="store_true", help="skip the seed-001 parameter check")
-    return p
+@dataclass
+class ABProjectorConfig:
+    """Options of `kvdistill ab-projector`."""
+
+    output_dir: str | None = option(None, "Write ab_projector.md/.json and curves_*.png here.", aliases=["--out"])
+    scenarios: str = option(",".join(SCENARIOS), f"Comma-separated subset of {SCENARIOS}.")
+    variants: str = option("base", f"Comma-separated subset of {list(VARIANTS)}.")
+    all_variants: bool = option(False, "Run every variant.")
+    seeds: int = option(5, "Number of seeds.")
+    seed0: int = option(0, "First seed.")
+    steps: int | None = option(None, "Override every scenario's base steps (default 40).")
+    long_steps: int = option(200, "Steps of the more-steps variant.")
+    d_in: int = option(1024, "Teacher feature size.")
+    d_out: int = option(512, "Student feature size.")
+    n_train: int = option(64, "Training tokens (prototype: B=2 x T=32).")
+    n_test: int = option(512, "Held-out tokens from the same teacher.")
+    outlier_rate: float = option(0.02, "Fraction of outlier channels (or entries).")
+    outlier_value: float = option(20.0, "Outlier magnitude (random sign).")
+    outlier_mode: str = option("channel", "Where outliers sit: channel | entry.")
+    threads: int = option(1, "torch.set_num_threads (fixed for reproducibility).")
+    no_plots: bool = option(False, "Skip the PNG curves.")
+    no_param_check: bool = option(False, "Skip the seed-001 parameter check.")
+
+    def __post_init__(self) -> None:
+        self.scenario_list = tuple(s.strip() for s in self.scenarios.split(",") if s.strip())
+        self.variant_list = tuple(VARIANTS) if self.all_variants else tuple(
+            v.strip() for v in self.variants.split(",") if v.strip())
+        bad = [s for s in self.scenario_list if s not in SCENARIOS] + [v for v in self.variant_list if v not in VARIANTS]
+        if bad or not self.scenario_list or not self.variant_list or self.seeds < 1:
+            raise ConfigError(f"unknown or empty scenarios/variants {bad} (or seeds < 1); scenarios {SCENARIOS}, "
+                              f"variants {list(VARIANTS)}")
+        check_choice("outlier_mode", self.outlier_mode, ("channel", "entry"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_config(ABProjectorConfig, argv, "kvdistill ab-projector", __doc__)
     torch.set_num_threads(max(1, args.threads))
-    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
-    variants = (
-        tuple(VARIANTS)
-        if args.all_variants
-        else tuple(v.strip() for v in args.variants.split(",") if v.strip())
-    )
-    bad = [s for s in scenarios if s not in SCENARIOS] + [v for v in variants if v not in VARIANTS]
-    if bad or not scenarios or not variants or args.seeds < 1:
-        print(
-            f"error: unknown or empty scenarios/variants {bad}; scenarios {SCENARIOS}, variants {list(VARIANTS)}"
-        )
-        return 2
+    scenarios, variants = args.scenario_list, args.variant_list
     data_kwargs = {
         "d_in": args.d_in,
         "d_out": args.d_out,
@@ -806,8 +770,8 @@ def main(argv: list[str] | None = None) -> int:
             f"like for like, K+V is {params[0]['k_plus_v'] / 1e6:.2f} M vs "
             f"{next(r['k_plus_v'] for r in params if r['projector'] == 'elastic r=1') / 1e6:.2f} M."
         )
-    if args.out:
-        files = write_outputs(result, params, Path(args.out), plots=not args.no_plots)
+    if args.output_dir:
+        files = write_outputs(result, params, Path(args.output_dir), plots=not args.no_plots)
         print(f"wrote {', '.join(str(f) for f in files)}")
     return 0
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvdistill.profile import main, measure
+from kvdistill.commands.profile import main, measure
 
 
 def test_measure_reports_time_and_cpu_peak_memory():

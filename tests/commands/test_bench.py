@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdistill import bench
+from kvdistill.cli import main as cli_main
+from kvdistill.commands import bench
 
 FAKE = """
 def run(quick: bool) -> dict:
@@ -92,4 +93,4 @@ def test_broken_benchmark_is_recorded(bench_dir: Path, tmp_path: Path) -> None:
 
 
 def test_unknown_name(bench_dir: Path, tmp_path: Path) -> None:
-    assert bench.main(["--benchmarks-dir", str(bench_dir), "--only", "nope", "--out", str(tmp_path)]) == 2
+    assert cli_main(["bench", "--benchmarks-dir", str(bench_dir), "--only", "nope", "--out", str(tmp_path)]) == 2

@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from kvdistill import ab_projector as ab
-from kvdistill.align.projectors import build_projector, param_count
+from kvdistill.align.projectors import build_projector
+from kvdistill.cli import main as cli_main
+from kvdistill.commands import ab_projector as ab
+from kvdistill.report import param_count
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -131,7 +133,7 @@ def test_command_writes_table_json_and_pngs(tmp_path: Path, capsys) -> None:
 
 
 def test_command_rejects_unknown_variant(capsys) -> None:
-    assert ab.main(["--variants", "nope", "--seeds", "1", "--steps", "1"]) == 2
+    assert cli_main(["ab-projector", "--variants", "nope", "--seeds", "1", "--steps", "1"]) == 2
 
 
 def test_improvement_matches_seed_definition() -> None:

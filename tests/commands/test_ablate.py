@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from kvdistill.evaluate.ablate import (
+from kvdistill.commands.ablate import (
     BUILTIN_VARIANTS,
     VARIANT_SETS,
     AblationError,
@@ -18,6 +18,7 @@ from kvdistill.evaluate.ablate import (
     resolve_variants,
     run_ablation,
 )
+from kvdistill.config import ConfigError
 
 
 def test_builtin_variants_are_valid_train_overrides():
@@ -126,7 +127,7 @@ def test_runner_report_and_resume_with_synthetic_runs(tmp_path):
         tmp_path / "ablation.yaml",
         {
             "base_config": "train.yaml",  # relative to the ablation YAML
-            "out_dir": str(tmp_path / "out"),
+            "output_dir": str(tmp_path / "out"),
             "seeds": [0, 1, 2],
             "variants": ["baseline", "kv", {"name": "same", "overrides": {"kv_weight": 0.0}}],
             "overrides": {"max_steps": 10},
@@ -183,7 +184,7 @@ def test_failed_run_raises_or_is_reported(tmp_path):
         tmp_path / "a.yaml",
         {
             "base_config": str(tmp_path / "train.yaml"),
-            "out_dir": str(tmp_path / "o"),
+            "output_dir": str(tmp_path / "o"),
             "seeds": [0],
             "variants": ["baseline", "kv"],
         },
@@ -205,7 +206,7 @@ def test_failed_run_raises_or_is_reported(tmp_path):
 
 def test_config_errors(tmp_path):
     _write_yaml(tmp_path / "train.yaml", {"student": "s"})
-    with pytest.raises(AblationError, match="unknown keys"):
+    with pytest.raises(ConfigError, match="unknown key 'sedes'; did you mean 'seeds'"):
         load_ablation_config(_write_yaml(tmp_path / "a.yaml", {"base_config": "train.yaml", "sedes": [1]}))
     with pytest.raises(AblationError, match="baseline"):
         load_ablation_config(_write_yaml(tmp_path / "b.yaml", {"base_config": "train.yaml", "baseline": "x"}))
@@ -221,7 +222,7 @@ def test_list_variants_cli(capsys):
     assert main(["--list-variants"]) == 0
     out = capsys.readouterr().out
     assert "untrained_teacher" in out and "set core" in out
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="base_config"):
         main([])
 
 
@@ -254,7 +255,7 @@ def test_ablation_end_to_end_on_tiny_fixtures(tiny_world, tmp_path, capsys):
         tmp_path / "ablation.yaml",
         {
             "base_config": "train.yaml",
-            "out_dir": str(tmp_path / "abl"),
+            "output_dir": str(tmp_path / "abl"),
             "seeds": [0, 1],
             "variants": ["baseline", "kv"],
             "eval": {"limit": 6, "batch_size": 6, "max_new_tokens": 8},

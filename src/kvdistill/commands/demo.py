@@ -15,19 +15,21 @@ skipped on a second run (teachers are cached in the output directory).
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import json
 import math
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvdistill import cli
+from kvdistill.config import option, parse_config
 from kvdistill.data import format_example
+from kvdistill.io import REPO_ROOT, write_text_atomic
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "demo"
+CONFIG_DIR = REPO_ROOT / "configs" / "demo"
 
 # architectures of the demo: teachers differ from the student (and each other) on L, H_kv, D
 ARCHS = {
@@ -46,12 +48,12 @@ def _log(msg: str) -> None:
     print(f"\n=== {msg}", flush=True)
 
 
-def _run(*argv: str) -> None:
-    """Run one public command in-process, exactly as `kvdistill ...` would."""
-    print("$ kvdistill " + " ".join(argv), flush=True)
-    rc = cli.main(list(argv))
+def _run(command: str, *argv: str) -> None:
+    """Run one public command in-process, exactly as `kvdistill COMMAND ...` would."""
+    print(f"$ kvdistill {command} " + " ".join(argv), flush=True)
+    rc = importlib.import_module(f"kvdistill.commands.{command.replace('-', '_')}").main(list(argv))
     if rc != 0:
-        raise SystemExit(f"kvdistill {argv[0]} failed with exit code {rc}")
+        raise SystemExit(f"kvdistill {command} failed with exit code {rc}")
 
 
 def config_path(name: str) -> Path:
@@ -65,7 +67,7 @@ def build_models(out: Path, train_texts: list[str], seed: int = 0) -> dict[str, 
     """A small BPE tokenizer (digits split into single tokens) and random-init models, saved."""
     from transformers import AutoConfig
 
-    from kvdistill.testing import build_tokenizer, save_random_model
+    from kvdistill.models import build_tokenizer, save_random_model
 
     paths = {name: out / "init" / name for name in ARCHS}
     if all((p / "config.json").exists() for p in paths.values()):
@@ -112,9 +114,7 @@ def write_report(out: Path, rows: list[dict]) -> Path:
         for png in ("curves_loss.png", "curves_cos_sim.png", "cos_sim_layers.png"):
             if (out / "runs" / run / png).exists():
                 lines.append(f"![{run} {png}](runs/{run}/{png})")
-    report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n")
-    return report
+    return write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
 
 
 def run_demo(out: Path, quick: bool = False, seed: int = 0, threads: int | None = None) -> Path:
@@ -128,7 +128,7 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, threads: int | None 
 
     _log(f"[1/5] data: {n_train} train / {n_test} test problems -> {data}")
     if not (data / "test.jsonl").exists():
-        _run("gen-data", "--out", str(data), "--n-train", str(n_train), "--n-test", str(n_test),
+        _run("gen-data", "--output_dir", str(data), "--n-train", str(n_train), "--n-test", str(n_test),
              "--seed", str(seed), "--min-steps", "2", "--max-steps", "2", "--max-value", "20")
     train_texts = [format_example(json.loads(x)).text for x in (data / "train.jsonl").read_text().splitlines()]
     init = build_models(out, train_texts, seed)
@@ -149,7 +149,7 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, threads: int | None 
         if not maps[name].exists():
             _run("layer-map", "--teacher", str(path), "--student", str(init["student"]), "--data", str(data),
                  "--samples", "32" if quick else "100", "--top-k", "2", "--max-length", "256",
-                 "--out", str(maps[name]), "--no-progress")
+                 "--output_file", str(maps[name]), "--no-progress")
 
     teacher_list = "[" + ", ".join(f"{{path: {p}, layer_map: {maps[n]}}}" for n, p in teachers.items()) + "]"
     students = {"student_sft": "student_sft.yaml", "student_kv": "student_kv.yaml"}
@@ -168,7 +168,7 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, threads: int | None 
         ev = out / "eval" / name
         if not (ev / "summary.json").exists():
             _run("eval", "--model", str(path), "--data", str(data), "--split", "test", "--limit", str(n_eval),
-                 "--batch-size", "50", "--max-new-tokens", "48", "--max-length", "256", "--out", str(ev),
+                 "--batch-size", "50", "--max-new-tokens", "48", "--max-length", "256", "--output_dir", str(ev),
                  "--no-progress")
         s = _summary(ev / "summary.json")
         final = _summary(path / "train_summary.json").get("final", {})
@@ -188,17 +188,21 @@ def _params(path: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
 
 
+@dataclass
+class DemoConfig:
+    """Options of `kvdistill demo`."""
+
+    output_dir: str = option("outputs/demo", "Output directory.", aliases=["--out"])
+    quick: bool = option(False, "~1-minute smoke version (tiny data and steps).")
+    seed: int = option(0, "Seed of data, inits and training.")
+    threads: int | None = option(None, "torch threads (default: torch's choice).")
+    fresh: bool = option(False, "Delete the output directory first.")
+
+
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvdistill demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="outputs/demo", help="output directory (default outputs/demo)")
-    p.add_argument("--quick", action="store_true", help="~1-minute smoke version (tiny data and steps)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--fresh", action="store_true", help="delete the output directory first")
-    a = p.parse_args(argv)
-    out = Path(a.out)
-    if a.fresh and out.exists():
+    cfg = parse_config(DemoConfig, argv, "kvdistill demo", __doc__)
+    out = Path(cfg.output_dir)
+    if cfg.fresh and out.exists():
         shutil.rmtree(out)
-    run_demo(out, quick=a.quick, seed=a.seed, threads=a.threads)
+    run_demo(out, quick=cfg.quick, seed=cfg.seed, threads=cfg.threads)
     return 0

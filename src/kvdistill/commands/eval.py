@@ -1,0 +1,180 @@
+"""`kvdistill eval`: GSM8K-style accuracy and held-out perplexity of any HF causal LM.
+
+Loads a model (Hub id, model dir, or a kvdistill run / checkpoint dir, whose training prompt
+settings are reused), scores it with `kvdistill.evaluate.scoring` and writes `items.jsonl` +
+`summary.json`.
+
+Example:
+    kvdistill eval --model runs/student --data synthetic --limit 200 --output_dir runs/student/eval
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvdistill.config import ConfigError, check_choice, option, parse_config, to_plain
+from kvdistill.data import DEFAULT_TEMPLATE, load_records
+from kvdistill.evaluate.scoring import CHAT_MODES, evaluate_model, write_results
+
+
+@dataclass
+class EvalConfig:
+    """Options of `kvdistill eval`."""
+
+    model: str | None = option(None, "Hub id, local model dir, or kvdistill run/checkpoint dir. Required.")
+    data: str = option("synthetic", "Hub id, local jsonl/json/parquet file or dir, or 'synthetic'.")
+    split: str = option("test", "Dataset split.")
+    field_map: str | None = option(None, 'Column map: a name (gsm8k, svamp, math) or {"question": col, "answer": col}.')
+    limit: int | None = option(None, "Evaluate only the first N questions.")
+    batch_size: int = option(8, "Prompts per generation batch.")
+    max_new_tokens: int = option(256, "Generation budget per question.")
+    template: str | None = option(None, "Prompt template with {question}; default: the training template of a "
+                                  f"kvdistill run, else {DEFAULT_TEMPLATE!r}.")
+    chat_template: str | None = option(None, "Use the tokenizer's chat template: auto (if it has one), on, off; "
+                                       "default: as the kvdistill run was trained, else auto.")
+    stop: list[str] | None = option(None, "Stop strings; default: newline + the template text before {question}.")
+    no_perplexity: bool = option(False, "Skip the reference perplexity.")
+    max_length: int = option(512, "Token limit of the perplexity examples.")
+    dtype: str = option("auto", "auto | fp32 | bf16 | fp16.")
+    device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda if available).")
+    output_dir: str | None = option(None, "Write DIR/items.jsonl and DIR/summary.json.", aliases=["--out"])
+    no_progress: bool = option(False, "No progress bar.")
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("no model: pass --model <hub id, model dir or kvdistill run dir>")
+        if self.chat_template is not None:
+            check_choice("chat_template", self.chat_template, CHAT_MODES)
+        self.field_map = to_plain(self.field_map)
+
+
+# ----------------------------------------------------------------------------- model dirs
+
+
+def resolve_model_dir(path: str | Path) -> str:
+    """Where the HF weights of `path` are: the dir itself, its `student/`, or its latest checkpoint.
+
+    A kvdistill run dir holds the final student at top level; a run still in progress only has
+    `checkpoint-N/` dirs. Hub ids and plain model dirs are returned unchanged.
+    """
+    p = Path(path)
+    if not p.is_dir() or (p / "config.json").exists():
+        return str(path)
+    if (p / "student" / "config.json").exists():
+        return str(p / "student")
+    ckpts = sorted(
+        (c for c in p.glob("checkpoint-*") if c.name.split("-")[-1].isdigit()),
+        key=lambda c: int(c.name.split("-")[-1]),
+    )
+    for c in reversed(ckpts):
+        for cand in (c / "student", c):
+            if (cand / "config.json").exists():
+                return str(cand)
+    return str(path)
+
+
+def _tokenizer_dir(model_dir: str) -> str:
+    """The model dir if it holds a tokenizer, else the nearest parent that does (run dir)."""
+    p = Path(model_dir)
+    if not p.is_dir():
+        return model_dir
+    for cand in (p, *p.parents[:2]):
+        if any((cand / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+            return str(cand)
+    return model_dir
+
+
+def training_prompt_settings(model_dir: str | Path) -> dict[str, Any] | None:
+    """`{"template", "chat_template"}` a kvdistill run was trained with (its `kvdistill_config.yaml`).
+
+    Looked up in the model dir and its parent (a `checkpoint-N/` of a run); `None` for any
+    other model, which then gets the defaults.
+    """
+    p = Path(model_dir)
+    if not p.is_dir():
+        return None
+    for cand in (p, p.parent):
+        cfg_path = cand / "kvdistill_config.yaml"
+        if cfg_path.exists():
+            import yaml
+
+            cfg = yaml.safe_load(cfg_path.read_text()) or {}
+            return {
+                "template": cfg.get("prompt_template") or DEFAULT_TEMPLATE,
+                # training falls back to the plain template when the tokenizer has no chat template
+                "chat_template": "auto" if cfg.get("use_chat_template") else "off",
+            }
+    return None
+
+
+def run_eval(
+    model_path: str | Path,
+    *,
+    data: str = "synthetic",
+    split: str = "test",
+    field_map: Any = None,
+    limit: int | None = None,
+    out: str | Path | None = None,
+    dtype: str = "auto",
+    device: str | None = None,
+    log: Callable[[str], None] = print,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """Load a model (Hub id, model dir or kvdistill run dir) and data, evaluate, write to `out`.
+
+    `kwargs` go to `evaluate_model` (batch_size, max_new_tokens, template, chat_template, ...).
+    `template` / `chat_template` left out (or None) come from the run's training config when
+    `model_path` is a kvdistill run, else the defaults (plain template, chat template if any).
+    """
+    from kvdistill.models import load_model, load_tokenizer
+
+    model_dir = resolve_model_dir(model_path)
+    trained = training_prompt_settings(model_dir) or {}
+    for key in ("template", "chat_template"):
+        if kwargs.get(key) is None:
+            kwargs.pop(key, None)
+            if key in trained:
+                kwargs[key] = trained[key]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_tokenizer(_tokenizer_dir(model_dir))
+    model = load_model(model_dir, dtype=dtype, device=device)
+    records = load_records(data, split=split, field_map=field_map, limit=limit)
+    log(f"eval: {model_dir} on {data}:{split} ({len(records)} questions, device {device})")
+    result = evaluate_model(model, tokenizer, records, **kwargs)
+    result.update(
+        {
+            "model": str(model_path),
+            "model_dir": model_dir,
+            "data": str(data),
+            "split": split,
+            "limit": limit,
+            "dtype": dtype,
+            "device": str(device),
+        }
+    )
+    if out is not None:
+        items_path, summary_path = write_results(result, out)
+        log(f"wrote {items_path} and {summary_path}")
+    return result
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(EvalConfig, argv, "kvdistill eval", __doc__)
+    result = run_eval(
+        cfg.model, data=cfg.data, split=cfg.split, field_map=cfg.field_map, limit=cfg.limit, out=cfg.output_dir,
+        dtype=cfg.dtype, device=cfg.device, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
+        template=cfg.template, chat_template=cfg.chat_template, stop_strings=cfg.stop,
+        perplexity=not cfg.no_perplexity, max_length=cfg.max_length, progress=False if cfg.no_progress else None,
+    )
+    ppl = result["perplexity"]
+    print(
+        f"accuracy {result['accuracy']:.4f} ({result['n_correct']}/{result['n']}), "
+        f"95% CI [{result['ci_low']:.4f}, {result['ci_high']:.4f}]"
+        + (f", perplexity {ppl:.3f}" if ppl is not None else "")
+    )
+    return 0

@@ -1,0 +1,119 @@
+"""Command configs as data: one dataclass per command, YAML file + command-line overrides.
+
+Every command declares its options as a dataclass whose fields carry their help text
+(`option(default, "help")`), as TRL and `transformers.TrainingArguments` do; `parse_config`
+turns `--config x.yaml --key value ...` into an instance (CLI wins over YAML), so `--help`, YAML
+keys and docs come from one place. Both `--max_length` and `--max-length` spellings work.
+Range checks live in each dataclass's `__post_init__` and raise `ConfigError` before anything loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import inspect
+import sys
+from dataclasses import MISSING, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, raised before anything loads; the message names the fix."""
+
+
+def option(default: Any = MISSING, help: str = "", **metadata: Any) -> Any:
+    """A dataclass field with help text (`metadata["help"]`); list/dict defaults are copied per instance."""
+    meta = {"help": help, **metadata}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: default.copy(), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def suggest(key: str, valid: Any) -> str:
+    """`"; did you mean 'x'?"` for the closest valid name, or ""."""
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of {allowed}")
+
+
+def build_parser(cls: type, prog: str, description: str | None = None, first: type | None = None):
+    """An `HfArgumentParser` for `cls` with `--config` first.
+
+    `first`: a base class of `cls` (e.g. `TrainingArguments`) whose options are listed *after*
+    `cls`'s own ones in `--help`, under their own heading.
+    """
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(cls, prog=prog, description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    config = parser.add_argument("--config", default=None, help="YAML file of options; command-line flags override it.")
+    group = parser._optionals._group_actions  # the order --help prints
+    group.remove(config)
+    group.insert(1, config)  # after -h
+    if first is not None:
+        later = {f.name for f in fields(first)} - set(inspect.get_annotations(cls))
+        moved = [a for a in group if a.dest in later]
+        heading = parser.add_argument_group(f"{first.__module__.split('.')[0]} {first.__name__} options")
+        for a in moved:
+            group.remove(a)
+            heading._group_actions.append(a)
+    return parser
+
+
+def parse_config(cls: type[T], argv: list[str] | None, prog: str, description: str | None = None,
+                 first: type | None = None) -> T:
+    """`--config x.yaml` plus `--key value` overrides -> an instance of `cls` (CLI wins over YAML).
+
+    An unknown YAML key or flag is a `ConfigError` that suggests the closest name. A dataclass
+    with a `config_file` field receives the YAML's path there (to resolve paths relative to it).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(cls, prog, description, first)
+    valid = {a.dest for a in parser._actions}
+    flags = {s.lstrip("-") for a in parser._actions for s in a.option_strings}
+    config_path = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg.startswith("--config="):
+            config_path = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
+            del argv[i : i + (1 if "=" in arg else 2)]
+            break
+    if config_path:
+        path = Path(config_path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {config_path}")
+        try:
+            defaults = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{config_path} is not valid YAML: {err}") from None
+        if not isinstance(defaults, dict):
+            raise ConfigError(f"{config_path} must hold a mapping of option: value")
+        for key in defaults:
+            if key not in valid:
+                raise ConfigError(f"{config_path}: unknown key {key!r}{suggest(key, valid)}")
+        if "config_file" in valid:
+            defaults["config_file"] = str(path)
+        parser.set_defaults(**defaults)
+    for arg in argv:
+        if arg.startswith("--") and arg[2:].split("=")[0] not in flags:
+            key = arg[2:].split("=")[0]
+            raise ConfigError(f"unknown option --{key}{suggest(key.replace('-', '_'), valid)}")
+    try:
+        return parser.parse_args_into_dataclasses(args=argv)[0]
+    except TypeError as err:  # a required option missing from YAML and CLI
+        raise ConfigError(str(err)) from None
+
+
+def to_plain(value: Any) -> Any:
+    """A YAML/CLI value that may be a string holding YAML (`"{a: 1}"`, `"[x, y]"`) -> plain data."""
+    if isinstance(value, str) and value.strip()[:1] in "{[":
+        return yaml.safe_load(value)
+    return value

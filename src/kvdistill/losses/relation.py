@@ -1,0 +1,213 @@
+"""MiniLMv2-style relation loss: match the self-relations of student and teacher KV over time.
+
+No projector is needed: each side is compared with itself first, so the feature sizes may differ.
+For each side, the features `X [L, B, T, F]` (a 5-D `[L, B, T, H, D]` input is flattened to
+`F = H * D`) are split into `R` relation heads `X_r [L, B, T, d]`, `d = F / R`, and
+
+    A_r = softmax_keys(X_r X_rᵀ / sqrt(d) / temperature)          # [L, B, R, T, T]
+
+where invalid key columns (mask == 0 or segment -1) are left out of the softmax. The loss of a
+query token i is
+
+    loss_i = mean_{layers, r} KL(A_r^teacher[i] ‖ A_r^student[i])
+           = mean_{layers, r} sum_{valid j} A^t_ij (log A^t_ij - log A^s_ij)
+
+in fp32. Rows (queries) are weighted by `mask * segment_weight[segment]` (kv.token_weights);
+segment weights apply to rows only: every valid token is a key. `reduction="mean"` divides the
+weighted sum by the weighted token count, `"sum"` returns the weighted sum. The teacher is a
+constant target (detached here). A batch without a valid token returns 0 (with a graph, no NaN).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from kvdistill.cache import PAD, SEGMENT_NAMES
+from kvdistill.losses.kv import REDUCTIONS, token_weights
+
+
+class RelationKVLoss(nn.Module):
+    """KL between the teacher's and the student's per-head self-relation matrices over time.
+
+    Call as `loss, metrics = fn(student, teacher, mask, segment_ids)`.
+
+    Memory: unchunked, the peak is about `4 bytes * c * L * B * R * T^2`, c ~ 8 fp32 `[L, B, R, T, T]`
+    temporaries (logits, log-probs, teacher probs, KL terms), i.e. O(L·B·R·T²). With
+    `chunk_size=C`, query rows are processed C at a time (each softmax still sees all T keys) under
+    activation checkpointing, so the peak is O(L·B·R·C·T) plus the inputs; the result is the same.
+
+    Args:
+        relation_heads: R, the number of equal feature chunks per side (F_s and F_t divisible by R).
+        temperature: softmax temperature (> 0) applied after the `1 / sqrt(F / R)` scale.
+        reduction: "mean" (divide by the weighted valid-token count) or "sum".
+        segment_weights: `{segment_id: weight}` for query rows; unlisted segments weigh 1, padding 0.
+        chunk_size: query rows per chunk; None computes all rows at once.
+        eps: floor for counts.
+    """
+
+    name = "relation"
+
+    def __init__(
+        self,
+        *,
+        relation_heads: int = 8,
+        temperature: float = 1.0,
+        reduction: str = "mean",
+        segment_weights: dict[int, float] | None = None,
+        chunk_size: int | None = None,
+        eps: float = 1e-8,
+    ):
+        super().__init__()
+        if relation_heads < 1:
+            raise ValueError(f"relation_heads must be >= 1, got {relation_heads}; use e.g. 1 or 8")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}; use e.g. 1.0")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 or None (no chunking), got {chunk_size}")
+        if segment_weights and any(w < 0 for w in segment_weights.values()):
+            raise ValueError(f"segment weights must be >= 0, got {segment_weights}")
+        self.relation_heads = int(relation_heads)
+        self.temperature = float(temperature)
+        self.reduction = reduction
+        self.segment_weights = {int(k): float(v) for k, v in (segment_weights or {}).items()}
+        self.chunk_size = chunk_size
+        self.eps = eps
+
+    def split_heads(self, x: Tensor, side: str) -> Tensor:
+        """`[L, B, T, F]` or `[L, B, T, H, D]` -> fp32 `[L, B, R, T, F / R]`."""
+        if x.dim() not in (4, 5):
+            raise ValueError(
+                f"relation loss expects {side} [L, B, T, F] or [L, B, T, H, D], got {tuple(x.shape)}"
+            )
+        x = x.float().flatten(3)  # [L, B, T, F]
+        feat, r = x.shape[-1], self.relation_heads
+        if feat % r:
+            raise ValueError(
+                f"relation loss: {side} feature size {feat} is not divisible by relation_heads={r}; "
+                f"choose relation_heads dividing {feat} (e.g. {math.gcd(feat, r)})"
+            )
+        return x.unflatten(3, (r, feat // r)).transpose(2, 3)  # [L, B, R, T, d]
+
+    def row_kl(self, s: Tensor, t: Tensor, s_rows: Tensor, t_rows: Tensor, keys: Tensor) -> Tensor:
+        """KL of the teacher's relation rows from the student's, mean over relation heads.
+
+        Args:
+            s, t: `[L, B, R, T, d_s]`, `[L, B, R, T, d_t]` all tokens (the keys).
+            s_rows, t_rows: `[L, B, R, C, d_s]`, `[L, B, R, C, d_t]` the query rows.
+            keys: `[B, T]` bool, valid key columns.
+
+        Returns:
+            `[L, B, C]` per-row KL, averaged over relation heads.
+        """
+        key = keys[None, :, None, None, :]  # [1, B, 1, 1, T]
+        fill = torch.finfo(torch.float32).min  # finite: a row without keys gives no NaN
+        scale_s = 1.0 / (math.sqrt(s.shape[-1]) * self.temperature)
+        scale_t = 1.0 / (math.sqrt(t.shape[-1]) * self.temperature)
+        log_s = (s_rows @ s.transpose(-1, -2) * scale_s).masked_fill(~key, fill)  # [L, B, R, C, T]
+        log_t = (t_rows @ t.transpose(-1, -2) * scale_t).masked_fill(~key, fill)  # [L, B, R, C, T]
+        log_s, log_t = log_s.log_softmax(-1), log_t.log_softmax(-1)  # over keys
+        kl = torch.where(key, log_t.exp() * (log_t - log_s), 0.0)  # [L, B, R, C, T]; 0 at masked keys
+        return kl.sum(-1).mean(2)  # [L, B, C]
+
+    def forward(
+        self, student: Tensor, teacher: Tensor, mask: Tensor, segment_ids: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Any]]:
+        """Masked, weighted relation KL.
+
+        Args:
+            student: `[L, B, T, F_s]` or `[L, B, T, H_s, D_s]` aligned student KV (with graph).
+            teacher: `[L, B, T, F_t]` or `[L, B, T, H_t, D_t]` aligned teacher KV (detached here).
+            mask: `[B, T]` bool/float validity.
+            segment_ids: `[B, T]` optional segment ids (0 prompt, 1 reasoning, 2 answer, -1 pad).
+
+        Returns:
+            `(loss, metrics)`: a scalar, and detached metrics `relation_kl` (weighted mean per-token
+            KL over valid rows), `relation_kl_per_layer [L]`, `loss_<segment>` for each segment
+            present, `num_tokens`.
+        """
+        if student.shape[:3] != teacher.shape[:3]:
+            raise ValueError(
+                f"relation loss: student {tuple(student.shape)} and teacher {tuple(teacher.shape)} "
+                "must share [L, B, T] (align the teacher first)"
+            )
+        B, T = student.shape[1:3]
+        if tuple(mask.shape) != (B, T):
+            raise ValueError(f"mask must be [B, T] = [{B}, {T}], got {tuple(mask.shape)}")
+        if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
+            raise ValueError(f"segment_ids must be [B, T] = [{B}, {T}], got {tuple(segment_ids.shape)}")
+        s = self.split_heads(student, "student")  # [L, B, R, T, d_s]
+        t = self.split_heads(teacher.detach(), "teacher").to(s.device)  # [L, B, R, T, d_t]
+        mask = mask.to(s.device)
+        segment_ids = None if segment_ids is None else segment_ids.to(s.device)
+        w = token_weights(mask, segment_ids, self.segment_weights)  # [B, T] row weights
+        keys = mask > 0 if segment_ids is None else (mask > 0) & (segment_ids != PAD)  # [B, T]
+
+        if self.chunk_size is None or self.chunk_size >= T:
+            kl = self.row_kl(s, t, s, t, keys)  # [L, B, T]
+        else:
+            fn = self.row_kl
+            if torch.is_grad_enabled() and s.requires_grad:  # keep only inputs, recompute chunks in backward
+                fn = partial(checkpoint, self.row_kl, use_reentrant=False)
+            parts = []
+            for i in range(0, T, self.chunk_size):  # rows only: every row needs all keys
+                rows = slice(i, i + self.chunk_size)
+                parts.append(fn(s, t, s[:, :, :, rows], t[:, :, :, rows], keys))  # [L, B, C]
+            kl = torch.cat(parts, dim=-1)  # [L, B, T]
+
+        valid = w > 0
+        per_token = torch.where(valid, kl.mean(0), 0.0)  # [B, T]; invalid rows contribute 0
+        total = (per_token * w).sum()
+        count = w.sum()
+        loss = total if self.reduction == "sum" else total / count.clamp_min(self.eps)
+        return loss, self._metrics(kl.detach(), w, mask, segment_ids)
+
+    @torch.no_grad()
+    def _metrics(self, kl: Tensor, w: Tensor, mask: Tensor, segment_ids: Tensor | None) -> dict[str, Any]:
+        count = w.sum()
+        denom = count.clamp_min(self.eps)
+        per_layer = (torch.where(w > 0, kl, 0.0) * w).sum((1, 2)) / denom  # [L]
+        metrics: dict[str, Any] = {
+            "relation_kl": per_layer.mean(),
+            "relation_kl_per_layer": per_layer,
+            "num_tokens": count,
+        }
+        if segment_ids is not None:  # per-segment mean over real tokens, segment weights not applied
+            real = mask.bool() & (segment_ids != PAD)
+            per_token = torch.where(real, kl.mean(0), 0.0)  # [B, T]
+            for sid, seg_name in SEGMENT_NAMES.items():  # 3 segments
+                in_seg = (real & (segment_ids == sid)).float()
+                n = in_seg.sum()
+                if n > 0:
+                    metrics[f"loss_{seg_name}"] = (per_token * in_seg).sum() / n
+        return metrics
+
+
+def aligned_relation_loss(
+    loss_fn: RelationKVLoss,
+    student_keys: Tensor,
+    student_values: Tensor,
+    teacher_keys: Tensor,
+    teacher_values: Tensor,
+    mask: Tensor,
+    segment_ids: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """Mean of the key and value relation losses (mirrors `aligned_kv_loss`).
+
+    Metrics: the key metrics prefixed `k_`, the value metrics `v_`, plus `relation_kl` (mean of
+    both) and `num_tokens`.
+    """
+    lk, mk = loss_fn(student_keys, teacher_keys, mask, segment_ids)
+    lv, mv = loss_fn(student_values, teacher_values, mask, segment_ids)
+    metrics: dict[str, Any] = {f"k_{k}": v for k, v in mk.items()}
+    metrics.update({f"v_{k}": v for k, v in mv.items()})
+    metrics["relation_kl"] = (mk["relation_kl"] + mv["relation_kl"]) / 2
+    metrics["num_tokens"] = mk["num_tokens"]
+    return (lk + lv) / 2, metrics
