@@ -53,15 +53,18 @@ def build_parser(cls: type, prog: str, description: str | None = None, first: ty
     """
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(cls, prog=prog, description=description,
+    parser = HfArgumentParser(cls, prog=prog, description=description, usage=f"{prog} [--config FILE.yaml] [--option value ...]",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     config = parser.add_argument("--config", default=None, help="YAML file of options; command-line flags override it.")
+    parser._optionals.title = f"{prog} options"
     group = parser._optionals._group_actions  # the order --help prints
     group.remove(config)
     group.insert(1, config)  # after -h
     if first is not None:
-        later = {f.name for f in fields(first)} - set(inspect.get_annotations(cls))
+        own = list(inspect.get_annotations(cls))  # declaration order, overridden base fields included
+        later = {f.name for f in fields(first)} - set(own)
         moved = [a for a in group if a.dest in later]
+        group.sort(key=lambda a: own.index(a.dest) if a.dest in own else -1)  # -h, --config stay first
         heading = parser.add_argument_group(f"{first.__module__.split('.')[0]} {first.__name__} options")
         for a in moved:
             group.remove(a)
