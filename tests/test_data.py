@@ -103,3 +103,17 @@ def test_load_records_formats_and_field_map(tmp_path):
 def test_unreachable_hub_dataset_fails_clearly():
     with pytest.raises(DataError, match="without network"):
         load_records("nobody-here/not-a-dataset-xyz", "train")
+
+
+def test_shorten_rationale_for_a_privileged_student():
+    from kvdistill.data import rationale_lines, shorten_rationale
+
+    rec = {"question": "q", "answer": "1 + 2 = 3.\n3 + 4 = 7.\n#### 7"}
+    assert shorten_rationale(rec, "full") == rec
+    assert shorten_rationale(rec, "no_rationale")["answer"] == "#### 7"
+    assert shorten_rationale(rec, "short_rationale:1")["answer"] == "1 + 2 = 3.\n#### 7"
+    assert shorten_rationale(rec, "short_rationale:5")["answer"] == rec["answer"]
+    assert rationale_lines("short_rationale:2") == 2
+    for bad in ("short", "short_rationale:0", "short_rationale:x", "latent:4"):
+        with pytest.raises(ValueError, match="short_rationale:K"):
+            rationale_lines(bad)

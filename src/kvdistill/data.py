@@ -115,6 +115,31 @@ def split_answer(answer: str) -> tuple[str, str]:
     return "", answer.strip()
 
 
+def rationale_lines(student_input: str) -> int | None:
+    """Lines of the rationale a student reads: None for "full", 0 for "no_rationale", K for "short_rationale:K"."""
+    if student_input == "full":
+        return None
+    if student_input == "no_rationale":
+        return 0
+    kind, _, k = student_input.partition(":")
+    if kind == "short_rationale" and k.isdigit() and int(k) >= 1:
+        return int(k)
+    raise ValueError(f"student_input {student_input!r} is not one of full, no_rationale, short_rationale:K (K >= 1)")
+
+
+def shorten_rationale(record: Mapping[str, Any], student_input: str) -> dict[str, Any]:
+    """The record as a privileged-teacher student reads it: its rationale cut to `student_input`.
+
+    `"no_rationale"` leaves `#### <final>` only; `"short_rationale:K"` keeps the first K lines.
+    """
+    k = rationale_lines(student_input)
+    if k is None:
+        return dict(record)
+    rationale, final = split_answer(str(record["answer"]))
+    kept = "\n".join(rationale.splitlines()[:k])
+    return {**record, "answer": f"{kept}\n{ANSWER_MARKER} {final}" if kept else f"{ANSWER_MARKER} {final}"}
+
+
 @dataclass
 class Formatted:
     """A formatted example and the character span of each segment.
@@ -259,6 +284,8 @@ class DistillCollator:
     `index [B]` (record ids, for per-sample teacher weights) and `teacher_inputs`:
     `{teacher name: {input_ids, attention_mask, segment_ids}}` for teachers listed in `teachers`
     (those with another tokenizer or rationale; the others reuse the student's tensors).
+    `student_input` shortens the student's rationale (`shorten_rationale`); teachers always read
+    the whole record.
     """
 
     tokenizer: Any
@@ -266,6 +293,7 @@ class DistillCollator:
     template: str = DEFAULT_TEMPLATE
     use_chat_template: bool = False
     teachers: dict[str, TeacherView] = field(default_factory=dict)
+    student_input: str = "full"
 
     def _encode(self, tok: Any, records: Sequence[Mapping], rationale_field: str | None) -> dict[str, Tensor]:
         feats = [
@@ -275,7 +303,8 @@ class DistillCollator:
         return pad_batch(feats, tok.pad_token_id if tok.pad_token_id is not None else 0)
 
     def __call__(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        batch: dict[str, Any] = self._encode(self.tokenizer, records, None)
+        student_records = [shorten_rationale(r, self.student_input) for r in records]
+        batch: dict[str, Any] = self._encode(self.tokenizer, student_records, None)
         batch["index"] = torch.tensor([int(r.get("index", i)) for i, r in enumerate(records)])
         teacher_inputs = {}
         for name, view in self.teachers.items():

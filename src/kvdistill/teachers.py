@@ -147,5 +147,20 @@ class TeacherSet:
         return [t.manifest() for t in self]
 
 
+def derangement(n: int, generator: torch.Generator | None = None) -> Tensor:
+    """A random permutation `[n]` with no fixed point (the shuffled-teacher control): `p[i] != i`.
+
+    A random relabelling of a rotation by k in [1, n-1]: `sigma(p[j]) = p[(j + k) % n]`, which moves
+    every element. Needs n >= 2.
+    """
+    if n < 2:
+        raise ValueError(f"a derangement needs at least 2 elements, got {n}")
+    p = torch.randperm(n, generator=generator)
+    k = int(torch.randint(1, n, (1,), generator=generator))
+    sigma = torch.empty_like(p)
+    sigma[p] = p.roll(-k)  # [n]
+    return sigma
+
+
 def _is_quantized(model: nn.Module) -> bool:
     return bool(getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False))

@@ -40,7 +40,7 @@ def test_builtin_variants_are_valid_train_overrides():
         if overrides.get("kv_loss") == "structural":
             assert overrides["head_mode"] == "structured"
     assert BUILTIN_VARIANTS["baseline"][1] == {"kv_weight": 0.0}
-    assert BUILTIN_VARIANTS["untrained_teacher"][1]["untrained_teacher_control"] is True
+    assert BUILTIN_VARIANTS["untrained_teacher"][1]["teacher_control"] == "untrained"
     for members in VARIANT_SETS.values():
         assert all(m in BUILTIN_VARIANTS for m in members)
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING
-from kvdistill.losses import KVLoss, RelationKVLoss, aligned_relation_loss, build_kv_loss
+from kvdistill.losses import KVLoss, RelationKVLoss, aligned_kv_loss, build_kv_loss
 from kvdistill.losses.kv import token_weights
 
 SEG_W = {PROMPT: 0.0, REASONING: 2.0, ANSWER: 0.5}
@@ -197,11 +198,13 @@ def test_temperature_direction_and_bad_args():
             RelationKVLoss(**kwargs)
 
 
-def test_aligned_relation_loss_is_mean_of_k_and_v():
+def test_aligned_kv_loss_with_relation_is_mean_of_k_and_v():
     sk, tk, mask, seg = _batch()
     sv, tv, _, _ = _batch()
     fn = RelationKVLoss(relation_heads=2)
-    loss, metrics = aligned_relation_loss(fn, sk, sv, tk, tv, mask, seg)
+    aligned = SimpleNamespace(student_keys=sk, teacher_keys=tk, student_values=sv, teacher_values=tv, mask=mask,
+                              segment_ids=seg)
+    loss, metrics = aligned_kv_loss(fn, aligned)
     lk, mk = fn(sk, tk, mask, seg)
     lv, mv = fn(sv, tv, mask, seg)
     assert loss.item() == pytest.approx((lk.item() + lv.item()) / 2, rel=1e-6)

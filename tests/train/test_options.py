@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kvdistill.cache import ANSWER, REASONING
 from kvdistill.commands.train import build_trainer
 from kvdistill.commands.train import main as train_main
 from kvdistill.models import ModelLoadError
@@ -28,6 +29,15 @@ def _two_step_argv(base_args, **kw):
 def _two_teacher_list(tiny_world) -> str:
     m = tiny_world.models
     return f"[{{path: {m['qwen2_teacher']}}}, {{path: {m['llama_teacher']}, weight: 3.0}}]"
+
+
+def _rows_of(trainer) -> list[dict]:
+    return _rows(Path(trainer.args.output_dir))
+
+
+def _cross_tokenizer_teachers(tiny_world) -> str:
+    m = tiny_world.models
+    return f"[{{path: {m['qwen2_teacher']}}}, {{path: {m['llama_teacher_alt_tok']}}}]"
 
 
 @pytest.mark.parametrize("fusion", ["loss_sum", "kv_mean", "learned"])
@@ -124,7 +134,7 @@ def test_codi_and_logit_kd_train(base_args, tiny_world, tmp_path):
 
 
 def test_untrained_teacher_control(base_args, tiny_world):
-    trainer = build_trainer(parse_config(_two_step_argv(base_args, untrained_teacher_control=True)))
+    trainer = build_trainer(parse_config(_two_step_argv(base_args, teacher_control="untrained")))
     saved = load_file(Path(tiny_world.models["qwen2_teacher"]) / "model.safetensors")
     (teacher,) = list(trainer.teachers)
     used = teacher.model.state_dict()
@@ -201,3 +211,94 @@ def test_checkpointing_refused_with_kv_and_works_for_sft(base_args):
     student = trainer.distill_model.student
     assert getattr(student, "is_activation_checkpointing", None) or student.is_gradient_checkpointing
     assert trainer.state.global_step == 2 and "codi" in trainer.state.log_history[0]
+
+
+# ------------------------------------------------------------------ KV signals: relation loss, shuffled control, privileged teacher
+def test_relation_loss_trains_without_projectors(base_args, tiny_world, tmp_path):
+    out = tmp_path / "relation"
+    argv = _two_step_argv(base_args, output_dir=out, kv_loss="relation", relation_heads=4,
+                          teachers=_cross_tokenizer_teachers(tiny_world))
+    trainer = build_trainer(parse_config(argv))
+    assert trainer.args.key_space == "pre_rope"  # auto: relations of rotated keys depend on position
+    assert all(a.k_proj is None and sum(p.numel() for p in a.parameters()) == 0
+               for a in trainer.distill_model.aligners.values())
+    student_before = {n: p.detach().clone() for n, p in trainer.distill_model.student.named_parameters()}
+    trainer.train()
+    rows = _rows_of(trainer)
+    assert all(r["kv_loss"] > 0 and r["relation_kl/qwen2_teacher"] > 0 for r in rows)
+    assert any("relation_kl/llama_teacher_alt_tok" in r for r in rows)  # the other tokenizer, time-aligned
+    moved = [n for n, p in trainer.distill_model.student.named_parameters() if not torch.equal(p, student_before[n])]
+    assert moved
+
+
+def test_relation_heads_must_divide_both_widths(base_args):
+    with pytest.raises(ConfigError, match="relation_heads=5 does not divide"):
+        build_trainer(parse_config(_two_step_argv(base_args, kv_loss="relation", relation_heads=5)))
+
+
+def _teacher_batch(trainer, n: int = 4) -> dict:
+    return trainer.data_collator([trainer.train_dataset[i] for i in range(n)])
+
+
+def test_shuffled_control_never_gives_a_sample_its_own_cache(base_args, tiny_world):
+    trainer = build_trainer(parse_config(_two_step_argv(base_args, teacher_control="shuffled",
+                                                        teachers=_cross_tokenizer_teachers(tiny_world))))
+    batch = _teacher_batch(trainer)
+    teacher_inputs = batch.pop("teacher_inputs")
+    shuffled, _ = trainer.teacher_targets(batch, teacher_inputs)
+    trainer.args.teacher_control = "none"
+    own, _ = trainer.teacher_targets(batch, teacher_inputs)
+    for name in own:
+        s, o = shuffled[name], own[name]
+        lengths_s, lengths_o = s.attention_mask.sum(1), o.attention_mask.sum(1)
+        for b in range(4):
+            # the sample's teacher cache is some other sample's own cache, never its own
+            match = [j for j in range(4) if lengths_s[b] == lengths_o[j] and torch.allclose(
+                s.keys[:, b, :, : int(lengths_s[b])], o.keys[:, j, :, : int(lengths_o[j])], atol=1e-5)]
+            assert match and b not in match, (name, b, match)
+    trainer.train()  # and it trains end to end
+    assert trainer.state.global_step == 2
+
+
+def test_privileged_teacher_no_rationale_with_rkv(base_args, tiny_world):
+    argv = _two_step_argv(base_args, student_input="no_rationale", teacher_compression="rkv",
+                          teachers=_cross_tokenizer_teachers(tiny_world))
+    trainer = build_trainer(parse_config(argv))
+    batch = _teacher_batch(trainer)
+    assert not (batch["segment_ids"] == REASONING).any()  # the student reads no rationale
+    teacher_inputs = batch.pop("teacher_inputs")
+    assert set(teacher_inputs) == {"qwen2_teacher", "llama_teacher_alt_tok"}  # privileged: own inputs
+    assert all((ti["segment_ids"] == REASONING).sum(1).min() > 0 for ti in teacher_inputs.values())
+    kvs, _ = trainer.teacher_targets(batch, teacher_inputs)
+    for kv in kvs.values():  # the rationale is compressed onto the student's 0 reasoning slots
+        assert not (kv.segment_ids == REASONING).any() and (kv.segment_ids == ANSWER).any()
+    trainer.train()
+    assert trainer.state.global_step == 2 and all(r["kv_loss"] > 0 for r in _rows_of(trainer))
+
+
+@pytest.mark.parametrize("method", ["rkv", "uniform", "random"])
+def test_privileged_short_rationale_slots_per_teacher(base_args, tiny_world, method):
+    argv = _two_step_argv(base_args, student_input="short_rationale:1", teacher_compression=method,
+                          teachers=_cross_tokenizer_teachers(tiny_world))
+    trainer = build_trainer(parse_config(argv))
+    batch = _teacher_batch(trainer)
+    teacher_inputs = batch.pop("teacher_inputs")
+    slots = (batch["segment_ids"] == REASONING).sum(1)
+    kvs, _ = trainer.teacher_targets(batch, teacher_inputs)
+    for name, kv in kvs.items():  # each teacher, in its own time axis, keeps as many as the student reads
+        full = (teacher_inputs[name]["segment_ids"] == REASONING).sum(1)
+        assert torch.equal((kv.segment_ids == REASONING).sum(1), torch.minimum(slots, full)), name
+    assert (slots > 0).all() and (slots < (teacher_inputs["qwen2_teacher"]["segment_ids"] == REASONING).sum(1)).all()
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"teacher_control": "shuffled", "per_device_train_batch_size": 1}, "batch_size >= 2"),
+    ({"teacher_control": "shuffled", "logit_kd_weight": 1.0}, "logit KD"),
+    ({"student_input": "no_rationale", "logit_kd_weight": 1.0}, "logit KD"),
+    ({"kv_loss": "relation", "fusion": "kv_mean"}, "kv_mean"),
+    ({"student_input": "short_rationale:0"}, "short_rationale:K"),
+    ({"teacher_control": "random"}, "teacher_control"),
+])
+def test_kv_signal_config_errors(base_args, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(_two_step_argv(base_args, **overrides))

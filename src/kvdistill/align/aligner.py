@@ -40,6 +40,8 @@ from kvdistill.report import param_count
 
 ALIGNER_FORMAT = "kvdistill.aligner/v1"
 MODES = ("flat", "structured")
+# "none": time + layer alignment only, each side keeps its own heads and dims (relation losses)
+ALIGNER_PROJECTORS = (*PROJECTOR_KINDS, "none")
 DIRECTIONS = ("teacher_to_student", "student_to_teacher")
 WEIGHTS_NAME, CONFIG_NAME = "aligner.safetensors", "aligner.json"
 
@@ -49,7 +51,8 @@ class AlignedKV:
     """Student and aligned teacher KV, ready for a loss (both sides have the same shape).
 
     Attributes:
-        student_keys, student_values, teacher_keys, teacher_values: flat `[L_m, B, T_s, F]` or
+        student_keys, student_values, teacher_keys, teacher_values: flat `[L_m, B, T_s, F]` or (each side
+            in its own width F when the aligner has projector "none")
             structured `[L_m, B, T_s, H, D]`, in the student's space (or the teacher's, for
             `direction="student_to_teacher"`). Student tensors carry the autograd graph; teacher
             tensors only carry the projectors' graph (teacher_to_student) or none.
@@ -89,7 +92,8 @@ class KVAligner(nn.Module):
             (`[L, B, T, H, D]`, head mixing + per-head projector).
         time_mode: "segment" | "global" | "index" (see `kvdistill.align.time`).
         layer_map: `M [L_s, L_t]`; None -> proportional, built from the first batch's layer counts.
-        projector: "linear" | "elastic".
+        projector: "linear" | "elastic" | "none" (time + layer alignment only: both sides keep their
+            own head counts and dims, flattened to `[L_m, B, T_s, H*D]` in flat mode; for the relation loss).
         mlp_ratio, dropout, init, layernorm, activation: projector options (`build_projector`).
         share_layers: one projector (and head mixer) for all layers; False -> one per student layer.
         share_heads: structured mode: one `D_t -> D_s` projector for all heads; False -> per head.
@@ -126,7 +130,7 @@ class KVAligner(nn.Module):
         for name, value, allowed in (
             ("mode", mode, MODES),
             ("time_mode", time_mode, TIME_MODES),
-            ("projector", projector, PROJECTOR_KINDS),
+            ("projector", projector, ALIGNER_PROJECTORS),
             ("direction", direction, DIRECTIONS),
         ):
             if value not in allowed:
@@ -205,7 +209,9 @@ class KVAligner(nn.Module):
         }
         k_in, k_out = d[f"{src}_key_dim"], d[f"{dst}_key_dim"]
         v_in, v_out = d[f"{src}_value_dim"], d[f"{dst}_value_dim"]
-        if c["mode"] == "flat":
+        if c["projector"] == "none":  # no parameters: the loss compares each side in its own width
+            pass
+        elif c["mode"] == "flat":
             k_in, k_out, v_in, v_out = H_in * k_in, H_out * k_out, H_in * v_in, H_out * v_out
             groups = 1 if c["share_layers"] else L_m
             self.k_proj = build_projector(c["projector"], k_in, k_out, groups=groups, **proj_kw)
@@ -230,7 +236,7 @@ class KVAligner(nn.Module):
                 if c["project_values"]
                 else None
             )
-        if self.v_proj is None and v_in != v_out:
+        if c["projector"] != "none" and self.v_proj is None and v_in != v_out:
             raise ValueError(
                 f"project_values=False needs equal value feature sizes, got {src} {v_in} vs {dst} {v_out} "
                 f"({c['mode']} mode); use project_values=True"

@@ -67,7 +67,7 @@ BUILTIN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "cka": ("+CKA", dict(_CKA)),
     "segment": ("+Segment", dict(_SEGMENT)),
     "full": ("Full", dict(_FULL)),
-    "untrained_teacher": ("Full, untrained teacher", {**_FULL, "untrained_teacher_control": True}),
+    "untrained_teacher": ("Full, untrained teacher", {**_FULL, "teacher_control": "untrained"}),
     # head alignment
     "flat": ("Full, flat heads", {**_FULL, "head_mode": "flat"}),
     "structured": ("Full, structured heads", {**_FULL, "head_mode": "structured"}),

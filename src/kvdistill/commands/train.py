@@ -17,10 +17,11 @@ from transformers import set_seed
 from kvdistill.align.aligner import KVAligner
 from kvdistill.align.layer_map import build_layer_map
 from kvdistill.cache import extract_kv
+from kvdistill.config import ConfigError
 from kvdistill.data import DistillCollator, TeacherView, load_records
 from kvdistill.fusion import TeacherFusion
 from kvdistill.io import write_json_atomic
-from kvdistill.losses import build_kv_loss
+from kvdistill.losses import RelationKVLoss, build_kv_loss
 from kvdistill.models import config_hash, load_model, load_tokenizer, num_layers
 from kvdistill.teachers import TeacherSet, load_teacher
 from kvdistill.train.config import KVDistillConfig, parse_config
@@ -32,14 +33,27 @@ SEGMENT_KEYS = {"prompt": 0, "reasoning": 1, "answer": 2}
 
 
 def _kv_loss(cfg: KVDistillConfig):
+    segment_weights = {SEGMENT_KEYS.get(k, k): float(v) for k, v in (cfg.segment_weights or {}).items()}
+    if cfg.kv_loss == "relation":
+        return RelationKVLoss(relation_heads=cfg.relation_heads, temperature=cfg.relation_temperature,
+                              reduction="sum", segment_weights=segment_weights, chunk_size=cfg.relation_chunk_size)
     kwargs = {"reduction": "sum", "normalize_target": cfg.normalize_target}
     if cfg.kv_loss in ("mercator", "hybrid"):
         kwargs.update(alpha=cfg.mercator_alpha, beta=cfg.mercator_beta)
     if cfg.kv_loss == "hybrid":
         kwargs["weight"] = cfg.hybrid_weight
-    if cfg.segment_weights:
-        kwargs["segment_weights"] = {SEGMENT_KEYS.get(k, k): float(v) for k, v in cfg.segment_weights.items()}
+    if segment_weights:
+        kwargs["segment_weights"] = segment_weights
     return build_kv_loss(cfg.kv_loss, **kwargs)
+
+
+def _check_relation_heads(cfg: KVDistillConfig, name: str, tkv, skv) -> None:
+    """Each side's H*D must split into `relation_heads` chunks: say so before training starts."""
+    for side, kv in (("student", skv), (f"teacher {name}", tkv)):
+        F = kv.num_heads * kv.head_dim
+        if F % cfg.relation_heads:
+            raise ConfigError(f"relation_heads={cfg.relation_heads} does not divide the {side}'s H*D = {F}; "
+                              f"pick a divisor of {F}")
 
 
 def _kv_segments(cfg: KVDistillConfig) -> tuple[int, ...]:
@@ -98,12 +112,16 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
         r["index"] = i  # row id, for per-sample teacher weights
     use_teachers = bool(cfg.teacher_configs) and (cfg.kv_weight > 0 or cfg.codi_weight > 0 or cfg.logit_kd_weight > 0)
     specs = cfg.teacher_configs if use_teachers else []
-    teachers = [load_teacher(s, tokenizer, untrained=cfg.untrained_teacher_control, seed=cfg.seed) for s in specs]
+    teachers = [load_teacher(s, tokenizer, untrained=cfg.teacher_control == "untrained", seed=cfg.seed) for s in specs]
+    if cfg.student_input != "full":  # privileged teachers read the full rationale: never the student's tokens
+        for t in teachers:
+            t.shares_student_tokens = False
     views = {
         t.name: TeacherView(t.tokenizer, s.rationale_field)
         for t, s in zip(teachers, specs) if not t.shares_student_tokens
     }
-    collator = DistillCollator(tokenizer, cfg.max_length, cfg.prompt_template, cfg.use_chat_template, views)
+    collator = DistillCollator(tokenizer, cfg.max_length, cfg.prompt_template, cfg.use_chat_template, views,
+                               cfg.student_input)
     teacher_set = TeacherSet(teachers, cfg.device, offload=cfg.teacher_offload)
 
     # size the aligners from one probe batch (dims are read from the caches, so any pair works)
@@ -121,13 +139,15 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
             layer_maps[t.name] = _layer_map(cfg, s, student, t.model)
             aligner = KVAligner(
                 mode=cfg.head_mode, time_mode=cfg.time_mode, layer_map=layer_maps[t.name],
-                projector=s.projector or cfg.projector,
+                projector="none" if cfg.kv_loss == "relation" else (s.projector or cfg.projector),
                 mlp_ratio=s.mlp_ratio if s.mlp_ratio is not None else cfg.mlp_ratio,
                 dropout=s.projector_dropout if s.projector_dropout is not None else cfg.projector_dropout,
                 init=s.projector_init or cfg.projector_init, share_layers=cfg.share_layers, direction=cfg.direction,
                 trainable=cfg.projector_trainable,
             )
             aligner.setup(tkv, skv)
+            if cfg.kv_loss == "relation":
+                _check_relation_heads(cfg, t.name, tkv, skv)
             aligners[t.name] = aligner
             if cfg.codi_weight > 0:
                 codi_dims[t.name] = (t.model.config.hidden_size, student.config.hidden_size)

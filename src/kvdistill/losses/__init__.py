@@ -11,7 +11,7 @@
 from kvdistill.losses.hidden import answer_position, codi_sum
 from kvdistill.losses.kv import LOSSES, KVLoss, aligned_kv_loss, build_kv_loss
 from kvdistill.losses.logits import LOGIT_KD_KINDS, logit_kd_sum, token_ce_sum
-from kvdistill.losses.relation import RelationKVLoss, aligned_relation_loss
+from kvdistill.losses.relation import RelationKVLoss
 
 __all__ = [
     "LOGIT_KD_KINDS",
@@ -19,7 +19,6 @@ __all__ = [
     "KVLoss",
     "RelationKVLoss",
     "aligned_kv_loss",
-    "aligned_relation_loss",
     "answer_position",
     "build_kv_loss",
     "codi_sum",

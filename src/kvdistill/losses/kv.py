@@ -332,18 +332,18 @@ def build_kv_loss(kind: str, **kwargs: Any) -> KVLoss:
     return LOSSES[kind](**kwargs)
 
 
-def aligned_kv_loss(loss_fn: KVLoss, aligned: Any) -> tuple[Tensor, dict[str, Any]]:
+def aligned_kv_loss(loss_fn: nn.Module, aligned: Any) -> tuple[Tensor, dict[str, Any]]:
     """Mean of the key and value losses of an `AlignedKV` (duck-typed: keys/values/mask/segment_ids).
 
-    Metrics: the key metrics prefixed `k_`, the value metrics `v_`, plus `cos_sim` (mean of both),
-    `cos_sim_per_layer` (mean of both) and `num_tokens`.
+    `loss_fn` is any loss called as `loss_fn(student, teacher, mask, segment_ids) -> (loss, metrics)`
+    (a `KVLoss` or a `RelationKVLoss`). Metrics: the key metrics prefixed `k_`, the value metrics
+    `v_`, and every metric both have (e.g. `cos_sim`, `cos_sim_per_layer`, `relation_kl`) as the
+    mean of the two; `num_tokens` is the key side's.
     """
     lk, mk = loss_fn(aligned.student_keys, aligned.teacher_keys, aligned.mask, aligned.segment_ids)
     lv, mv = loss_fn(aligned.student_values, aligned.teacher_values, aligned.mask, aligned.segment_ids)
     metrics: dict[str, Any] = {f"k_{k}": v for k, v in mk.items()}
     metrics.update({f"v_{k}": v for k, v in mv.items()})
-    metrics["cos_sim"] = (mk["cos_sim"] + mv["cos_sim"]) / 2
-    metrics["cos_sim_per_layer"] = (mk["cos_sim_per_layer"] + mv["cos_sim_per_layer"]) / 2
-    metrics["norm_ratio"] = (mk["norm_ratio"] + mv["norm_ratio"]) / 2
+    metrics.update({k: (v + mv[k]) / 2 for k, v in mk.items() if k in mv})
     metrics["num_tokens"] = mk["num_tokens"]
     return (lk + lv) / 2, metrics

@@ -188,26 +188,3 @@ class RelationKVLoss(nn.Module):
                 if n > 0:
                     metrics[f"loss_{seg_name}"] = (per_token * in_seg).sum() / n
         return metrics
-
-
-def aligned_relation_loss(
-    loss_fn: RelationKVLoss,
-    student_keys: Tensor,
-    student_values: Tensor,
-    teacher_keys: Tensor,
-    teacher_values: Tensor,
-    mask: Tensor,
-    segment_ids: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Any]]:
-    """Mean of the key and value relation losses (mirrors `aligned_kv_loss`).
-
-    Metrics: the key metrics prefixed `k_`, the value metrics `v_`, plus `relation_kl` (mean of
-    both) and `num_tokens`.
-    """
-    lk, mk = loss_fn(student_keys, teacher_keys, mask, segment_ids)
-    lv, mv = loss_fn(student_values, teacher_values, mask, segment_ids)
-    metrics: dict[str, Any] = {f"k_{k}": v for k, v in mk.items()}
-    metrics.update({f"v_{k}": v for k, v in mv.items()})
-    metrics["relation_kl"] = (mk["relation_kl"] + mv["relation_kl"]) / 2
-    metrics["num_tokens"] = mk["num_tokens"]
-    return (lk + lv) / 2, metrics

@@ -15,17 +15,19 @@ from transformers import TrainingArguments
 
 from kvdistill.align.aligner import DIRECTIONS
 from kvdistill.align.aligner import MODES as HEAD_MODES
+from kvdistill.align.compress import COMPRESSIONS
 from kvdistill.align.projectors import PROJECTOR_KINDS as PROJECTORS
 from kvdistill.align.time import TIME_MODES
 from kvdistill.config import ConfigError, option, suggest, to_plain
 from kvdistill.config import parse_config as parse_command_config
-from kvdistill.data import DEFAULT_TEMPLATE
+from kvdistill.data import DEFAULT_TEMPLATE, rationale_lines
 from kvdistill.fusion import FUSIONS
 from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
 
 # the config's names for the layer map: "cka" reads each teacher's JSON (the aligner's "json" kind)
 LAYER_MAPS = ("proportional", "last_k", "cka")
-KV_LOSSES = tuple(LOSSES)
+KV_LOSSES = (*LOSSES, "relation")  # relation: MiniLMv2 self-relations, no projector (losses/relation.py)
+TEACHER_CONTROLS = ("none", "untrained", "shuffled")
 LOGIT_KD = LOGIT_KD_KINDS
 DESCRIPTION = """Multi-teacher KV-cache distillation on transformers.Trainer.
 
@@ -93,11 +95,16 @@ class KVDistillConfig(TrainingArguments):
     projector_trainable: bool = option(True, "Train projectors and head mixers (False: fixed at their init, so the "
                                    "projector cannot chase the student and only the student moves).")
     direction: str = option("teacher_to_student", f"Which side is projected: {DIRECTIONS}.")
-    key_space: str = option("post_rope", "Keys as cached (post_rope) or before RoPE (pre_rope).")
+    key_space: str = option("auto", "Keys as cached (post_rope) or before RoPE (pre_rope); auto: pre_rope for "
+                            "kv_loss relation (relations of rotated keys depend on position), else post_rope.")
     # ---- losses
     kv_loss: str = option("mercator", f"KV loss: {KV_LOSSES}.")
     kv_weight: float = option(0.1, "Weight of the KV loss (0 = SFT only). Small weights worked best in the pilot.")
     kv_warmup_steps: int = option(100, "Linear warm-up of the KV weight over this many optimizer steps.")
+    relation_heads: int = option(8, "kv_loss relation: relation heads R (each side's H*D split into R chunks).")
+    relation_temperature: float = option(1.0, "kv_loss relation: softmax temperature of the relation matrices.")
+    relation_chunk_size: int | None = option(None, "kv_loss relation: query rows per chunk (memory O(L*B*R*C*T) "
+                                             "instead of O(L*B*R*T^2)); null: all rows at once.")
     mercator_alpha: float = option(1.0, "Mercator direction weight alpha.")
     mercator_beta: float = option(0.0, "Mercator log-norm weight beta (0 or 0.01).")
     hybrid_weight: float = option(0.8, "Mercator share in the hybrid loss.")
@@ -112,7 +119,17 @@ class KVDistillConfig(TrainingArguments):
     # ---- teachers
     fusion: str = option("loss_sum", f"Multi-teacher fusion: {FUSIONS}.")
     teacher_offload: bool = option(False, "Keep teachers on CPU; move one at a time to the device for its forward.")
-    untrained_teacher_control: bool = option(False, "Control: replace teachers by random-init copies.")
+    teacher_control: str = option("none", f"Control run {TEACHER_CONTROLS}: untrained = random-init copies of the "
+                                  "teachers; shuffled = each sample gets another sample's teacher (a derangement "
+                                  "within the batch). A gain must beat both to count as knowledge transfer.")
+    # ---- privileged teacher (KaVa)
+    student_input: str = option("full", "What the student reads of the rationale: full | no_rationale | "
+                                "short_rationale:K (its first K lines). Teachers always read the full rationale "
+                                "(privileged information).")
+    teacher_compression: str = option("rkv", f"With a shortened student input: how each teacher's rationale is "
+                                      f"cut to the student's reasoning slots: {COMPRESSIONS} or none (proportional "
+                                      "time alignment only).")
+    compression_lambda: float = option(0.1, "R-KV: weight of key redundancy against attention importance.")
     aligner_learning_rate: float = option(1e-3, "Learning rate of projectors / aligners / fusion weights.")
     # ---- TrainingArguments defaults of the seed prototype
     output_dir: str | None = option("runs/kvdistill", "Where checkpoints, logs and the final student go.")
@@ -154,7 +171,8 @@ class KVDistillConfig(TrainingArguments):
         choices = {
             "time_mode": TIME_MODES, "layer_map": LAYER_MAPS, "head_mode": HEAD_MODES, "projector": PROJECTORS,
             "kv_loss": KV_LOSSES, "fusion": FUSIONS, "logit_kd_kind": LOGIT_KD, "direction": DIRECTIONS,
-            "key_space": ("post_rope", "pre_rope"), "projector_init": ("xavier", "orthogonal", "identity"),
+            "key_space": ("auto", "post_rope", "pre_rope"), "projector_init": ("xavier", "orthogonal", "identity"),
+            "teacher_control": TEACHER_CONTROLS, "teacher_compression": (*COMPRESSIONS, "none"),
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -176,6 +194,23 @@ class KVDistillConfig(TrainingArguments):
             raise ConfigError("gradient (activation) checkpointing makes transformers drop the student's KV cache in "
                               "training, so the KV loss has nothing to compare; set gradient_checkpointing: false "
                               "(or kv_weight: 0); see docs/training.md")
+        if self.key_space == "auto":
+            self.key_space = "pre_rope" if self.kv_loss == "relation" else "post_rope"
+        try:
+            rationale_lines(self.student_input)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if self.kv_loss == "relation" and (self.relation_heads < 1 or self.relation_temperature <= 0):
+            raise ConfigError("kv_loss relation needs relation_heads >= 1 and relation_temperature > 0")
+        if self.kv_loss == "relation" and self.fusion == "kv_mean":
+            raise ConfigError("fusion: kv_mean averages projected teacher KVs; kv_loss relation has no projector, "
+                              "use fusion: loss_sum (or learned / correctness)")
+        if self.teacher_control == "shuffled" and self.per_device_train_batch_size < 2:
+            raise ConfigError("teacher_control: shuffled pairs each sample with another sample of its batch; set "
+                              "per_device_train_batch_size >= 2")
+        if self.logit_kd_weight > 0 and (self.teacher_control == "shuffled" or self.student_input != "full"):
+            raise ConfigError("logit KD compares teacher and student on the same tokens; it cannot run with "
+                              "teacher_control: shuffled or a shortened student_input (set logit_kd_weight: 0)")
         if self.kv_loss == "structural" and self.head_mode != "structured":
             raise ConfigError("kv_loss: structural compares heads; it needs head_mode: structured")
         if self.fusion == "kv_mean" and self.direction != "teacher_to_student":

@@ -154,10 +154,14 @@ class KVDistillModel(nn.Module):
 
     @staticmethod
     def _log_teacher(metrics: dict, name: str, m: dict) -> None:
-        for key in ("cos_sim", "k_cos_sim", "v_cos_sim", "norm_ratio"):
-            metrics[f"{key}/{name}"] = _item(m[key])
-        for layer, c in enumerate(m["cos_sim_per_layer"].tolist()):
-            metrics[f"cos_layer/{name}/{layer}"] = c
+        """Agreement per teacher: cos-sim and norm ratio (projected losses) or relation KL (relation loss)."""
+        for key in ("cos_sim", "k_cos_sim", "v_cos_sim", "norm_ratio", "relation_kl", "k_relation_kl",
+                    "v_relation_kl"):
+            if key in m:
+                metrics[f"{key}/{name}"] = _item(m[key])
+        for per_layer, prefix in (("cos_sim_per_layer", "cos_layer"), ("relation_kl_per_layer", "relation_layer")):
+            for layer, c in enumerate(m[per_layer].tolist() if per_layer in m else []):
+                metrics[f"{prefix}/{name}/{layer}"] = c
 
     def _codi(self, names, teacher_kvs, hidden, segment_ids, sample_w) -> Tensor:
         """CODI (`losses.codi_sum`) summed over teachers, each fusion-weighted per sample."""

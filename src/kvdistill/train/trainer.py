@@ -17,9 +17,12 @@ from typing import Any
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 from transformers import Trainer, TrainerCallback
 
-from kvdistill.teachers import TeacherSet
+from kvdistill.align.compress import compress_cache
+from kvdistill.cache import REASONING, KVCache
+from kvdistill.teachers import TeacherSet, derangement
 from kvdistill.train.config import ConfigError, KVDistillConfig
 from kvdistill.train.model import KVDistillModel
 
@@ -112,15 +115,7 @@ class KVDistillTrainer(Trainer):
         use_teachers = len(self.teachers) > 0 and (kv_scale > 0 or args.codi_weight > 0 or args.logit_kd_weight > 0)
         teacher_kvs, teacher_logits = {}, {}
         if use_teachers:
-            for t in self.teachers:
-                src = teacher_inputs.get(t.name, inputs)
-                want_logits = args.logit_kd_weight > 0 and t.shares_student_tokens
-                teacher_kvs[t.name], logits = self.teachers.forward(
-                    t.name, src["input_ids"], src["attention_mask"], src["segment_ids"],
-                    key_space=args.key_space, output_hidden_states=args.codi_weight > 0, return_logits=want_logits,
-                )
-                if logits is not None:
-                    teacher_logits[t.name] = logits
+            teacher_kvs, teacher_logits = self.teacher_targets(inputs, teacher_inputs)
         counts = num_items_in_batch
         out = model(
             **inputs,
@@ -140,6 +135,43 @@ class KVDistillTrainer(Trainer):
                 self._metrics[k].append(float(v))
             self._metrics["kv_warmup"].append(warm)
         return (loss, out) if return_outputs else loss
+
+    def _step_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator seeded by (seed, step, rank): controls and random compression replay exactly."""
+        g = torch.Generator(device=device)
+        return g.manual_seed(self.args.seed * 1_000_003 + self.state.global_step * 7919 + self.args.process_index)
+
+    @torch.no_grad()
+    def teacher_targets(self, inputs: dict, teacher_inputs: dict) -> tuple[dict[str, KVCache], dict[str, Tensor]]:
+        """Every teacher's detached KV (and logits for logit KD) on this batch, controls applied.
+
+        - `teacher_control: shuffled`: every teacher reads another sample of the batch (one
+          derangement per step, shared by the teachers); the time alignment handles the lengths.
+        - a shortened `student_input`: each teacher's rationale is compressed onto the student's
+          reasoning slots (`align.compress.compress_cache`, in that teacher's own time axis).
+        """
+        args: KVDistillConfig = self.args
+        device = inputs["input_ids"].device
+        B = inputs["input_ids"].shape[0]
+        perm = derangement(B, self._step_generator()).to(device) if args.teacher_control == "shuffled" else None
+        slots = (inputs["segment_ids"] == REASONING).sum(1)  # [B] the student's reasoning tokens
+        compress = args.student_input != "full" and args.teacher_compression != "none"
+        kvs, logits = {}, {}
+        for t in self.teachers:
+            src = teacher_inputs.get(t.name, inputs)
+            ids, mask, seg = (src[k] if perm is None else src[k][perm] for k in ("input_ids", "attention_mask",
+                                                                                  "segment_ids"))
+            want_logits = args.logit_kd_weight > 0 and t.shares_student_tokens
+            kvs[t.name], out_logits = self.teachers.forward(
+                t.name, ids, mask, seg,
+                key_space=args.key_space, output_hidden_states=args.codi_weight > 0, return_logits=want_logits,
+            )
+            if compress:
+                kvs[t.name], _ = compress_cache(kvs[t.name], slots, method=args.teacher_compression,
+                                                lam=args.compression_lambda, generator=self._step_generator(device))
+            if out_logits is not None:
+                logits[t.name] = out_logits
+        return kvs, logits
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
