@@ -43,3 +43,19 @@ def test_every_ablation_run_has_valid_keys(path):
     for variant in cfg.variants:
         for seed in cfg.seeds:
             _check_train_config(train_config_for(cfg, variant, seed), f"{path}:{variant.name}:{seed}")
+
+
+@pytest.mark.parametrize("name", ["relation.yaml", "privileged.yaml", "tiny.yaml"])
+def test_example_configs_train_on_the_tiny_world(name, tiny_world, tmp_path):
+    """The shipped examples run through the CLI as written, with only paths and steps swapped."""
+    from kvdistill.cli import main
+
+    m = tiny_world.models
+    teachers = f"[{{path: {m['qwen2_teacher']}}}, {{path: {m['llama_teacher_alt_tok']}}}]"
+    argv = ["train", "--config", str(CONFIGS / name), "--student", str(m["student"]), "--teachers", teachers,
+            "--data", str(tiny_world.data_dir), "--output_dir", str(tmp_path / "run"), "--max_steps", "2",
+            "--logging_steps", "1", "--disable_tqdm", "true"]
+    if "layer_map: cka" in (CONFIGS / name).read_text():
+        argv += ["--layer_map", "proportional"]
+    assert main(argv) == 0
+    assert (tmp_path / "run" / "train_summary.json").exists()

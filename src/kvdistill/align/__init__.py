@@ -28,3 +28,4 @@ from kvdistill.align.layer_map import (
 from kvdistill.align.heads import HeadMixer, HeadwiseProjector, flatten_heads, time_major, uniform_head_mix
 from kvdistill.align.aligner import AlignedKV, KVAligner, cache_dims
 from kvdistill.align.cka import POOLINGS, StreamingCKA, cka_matrix, linear_cka, pool_features, topk_layer_map
+from kvdistill.align.compress import COMPRESSIONS, compress_cache, rkv_scores, select_positions

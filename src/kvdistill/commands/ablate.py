@@ -58,6 +58,8 @@ _KV = {
 _CKA = {**_KV, "layer_map": "cka"}
 _SEGMENT = {**_CKA, "time_mode": "segment"}
 _FULL = {**_SEGMENT, "kv_loss": "mercator"}
+_RELATION = {**_KV, "kv_loss": "relation", "time_mode": "segment"}
+_PRIVILEGED = {**_KV, "time_mode": "segment", "student_input": "no_rationale", "teacher_compression": "rkv"}
 
 # name -> (label in the report, overrides on the train config). The core rows are cumulative
 # (+CKA keeps +KV's settings, +Segment keeps +CKA's); the factor rows change one setting of Full.
@@ -68,6 +70,20 @@ BUILTIN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "segment": ("+Segment", dict(_SEGMENT)),
     "full": ("Full", dict(_FULL)),
     "untrained_teacher": ("Full, untrained teacher", {**_FULL, "teacher_control": "untrained"}),
+    # KV signals and their controls: a gain counts only if it beats SFT *and* both controls
+    "kv_untrained": ("+KV, untrained teacher", {**_KV, "teacher_control": "untrained"}),
+    "kv_shuffled": ("+KV, shuffled teacher", {**_KV, "teacher_control": "shuffled"}),
+    "relation": ("+Relation", dict(_RELATION)),
+    "relation_untrained": ("+Relation, untrained teacher", {**_RELATION, "teacher_control": "untrained"}),
+    "relation_shuffled": ("+Relation, shuffled teacher", {**_RELATION, "teacher_control": "shuffled"}),
+    "logit_kd": ("Logit KD (positive control)", {"kv_weight": 0.0, "logit_kd_weight": 1.0}),
+    "logit_kd_kv": ("Logit KD + KV", {**_KV, "logit_kd_weight": 1.0}),
+    "logit_kd_relation": ("Logit KD + Relation", {**_RELATION, "logit_kd_weight": 1.0}),
+    # privileged teacher (KaVa): the student reads no rationale, the teachers the whole one
+    "sft_no_rationale": ("SFT, no rationale", {"kv_weight": 0.0, "student_input": "no_rationale"}),
+    "privileged_kv": ("Privileged KV, no rationale", dict(_PRIVILEGED)),
+    "privileged_kv_untrained": ("Privileged KV, untrained teacher", {**_PRIVILEGED, "teacher_control": "untrained"}),
+    "privileged_kv_shuffled": ("Privileged KV, shuffled teacher", {**_PRIVILEGED, "teacher_control": "shuffled"}),
     # head alignment
     "flat": ("Full, flat heads", {**_FULL, "head_mode": "flat"}),
     "structured": ("Full, structured heads", {**_FULL, "head_mode": "structured"}),
@@ -91,6 +107,9 @@ BUILTIN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 # names that expand to several variants in `variants:`
 VARIANT_SETS: dict[str, list[str]] = {
     "core": ["baseline", "kv", "cka", "segment", "full", "untrained_teacher"],
+    "signals": ["baseline", "kv", "kv_untrained", "kv_shuffled", "relation", "relation_untrained",
+                "relation_shuffled", "logit_kd", "logit_kd_kv", "logit_kd_relation"],
+    "privileged": ["sft_no_rationale", "privileged_kv", "privileged_kv_untrained", "privileged_kv_shuffled"],
     "heads": ["baseline", "flat", "structured"],
     "projectors": ["baseline", "linear", "elastic"],
     "time": ["baseline", "time_index", "time_global", "full"],

@@ -24,17 +24,24 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def final_metrics(path: str | Path) -> dict:
-    """Last logged CE, KV loss and mean cos-sim over teachers (None where not logged)."""
+    """Last logged CE, KV loss and the teacher agreement, averaged over teachers: cos-sim
+    (projected KV losses) and relation KL (relation loss); None where not logged."""
     rows = read_metrics(path)
     if not rows:
-        return {"ce": None, "kv_loss": None, "cos_sim": None}
+        return {"ce": None, "kv_loss": None, "cos_sim": None, "relation_kl": None}
     last = rows[-1]
-    cos = [v for k, v in last.items() if k.startswith("cos_sim/")]
+
+    def mean_of(prefix: str) -> float | None:
+        vals = [v for k, v in last.items() if k.startswith(prefix)]
+        return float(np.mean(vals)) if vals else None
+
     return {
         "ce": last.get("ce"),
         "kv_loss": last.get("kv_loss"),
-        "cos_sim": float(np.mean(cos)) if cos else None,
-        **{k: v for k, v in last.items() if k.startswith(("cos_sim/", "norm_ratio/"))},
+        "logit_kd": last.get("logit_kd"),
+        "cos_sim": mean_of("cos_sim/"),
+        "relation_kl": mean_of("relation_kl/"),
+        **{k: v for k, v in last.items() if k.startswith(("cos_sim/", "norm_ratio/", "relation_kl/"))},
     }
 
 
