@@ -188,12 +188,17 @@ def num_layers(model: PreTrainedModel) -> int:
 SPECIAL = {"eos_token": "</s>", "pad_token": "<pad>", "bos_token": "<s>", "unk_token": "<unk>"}
 
 
-def build_tokenizer(texts: list[str], vocab_size: int, split_digits: bool = False) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    texts: list[str], vocab_size: int, split_digits: bool = False, char_level: bool = False
+) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on `texts`; different sizes give different token counts.
 
     `split_digits=True` keeps every digit its own token (as Llama/Qwen tokenizers do), which makes
     arithmetic learnable for tiny models while words still merge into short sequences.
+    `char_level=True` learns no merges at all: one token per byte (`vocab_size` is ignored).
     """
+    if char_level:
+        vocab_size = 1  # below the byte alphabet: the trainer keeps the alphabet and adds no merge
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.pre_tokenizer = (

@@ -5,9 +5,13 @@ A missing value (None or NaN) prints as an en dash in every table.
 
 from __future__ import annotations
 
+import datetime as _dt
 import math
+import os
+import platform
 from typing import Any
 
+import torch
 from torch import nn
 
 MISSING = "–"
@@ -16,6 +20,28 @@ MISSING = "–"
 def param_count(module: nn.Module, *, trainable_only: bool = False) -> int:
     """Number of parameters (optionally only those with `requires_grad`)."""
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+def environment() -> dict[str, Any]:
+    """What a reader needs to reproduce or compare a number: versions, threads, cores, device, date."""
+    import accelerate
+    import transformers
+
+    import kvdistill
+
+    return {
+        "kvdistill": kvdistill.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
 
 
 def _missing(x: Any) -> bool:

@@ -280,3 +280,42 @@ def test_ablation_end_to_end_on_tiny_fixtures(tiny_world, tmp_path, capsys):
     assert main(["--config", str(abl)]) == 0
     assert capsys.readouterr().out.count("finished, skipped") == 4
     assert (out / "runs" / "kv" / "seed_1" / "eval" / "summary.json").stat().st_mtime == mtime
+
+
+def test_controls_references_and_the_primary_comparison(tmp_path):
+    _write_yaml(tmp_path / "train.yaml", {"student": "s"})
+    abl = _write_yaml(tmp_path / "a.yaml", {
+        "base_config": "train.yaml", "output_dir": str(tmp_path / "out"), "seeds": [0, 1, 2, 3, 4],
+        "variants": ["baseline", "relation", "relation_untrained", "relation_shuffled", "sft_no_rationale",
+                     "privileged_kv"],
+        "primary": ["relation", "baseline"], "n_resamples": 2000,
+    })
+    cfg = load_ablation_config(abl)
+    assert cfg.variant("relation").controls == ["relation_untrained", "relation_shuffled"]
+    assert cfg.references(cfg.variant("privileged_kv")) == ["sft_no_rationale"]  # its controls were not run
+    fake = FakeRuns({"baseline": 0.3, "relation": 0.8, "relation_untrained": 0.3, "relation_shuffled": 0.75,
+                     "sft_no_rationale": 0.1, "privileged_kv": 0.1})
+    report = run_ablation(cfg, train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    rel = report["variants"]["relation"]
+    assert set(rel["comparisons"]) == {"baseline", "relation_untrained", "relation_shuffled"}
+    assert rel["comparisons"]["relation_untrained"]["ttest"]["p_value"] < 0.05
+    priv = report["variants"]["privileged_kv"]
+    assert priv["reference"] == "sft_no_rationale" and priv["vs_baseline"]["delta_accuracy"] == 0.0
+    assert report["primary"]["variant"] == "relation" and report["primary"]["delta_accuracy"] > 0.4
+    md = (tmp_path / "out" / "ablation.md").read_text()
+    assert "## Primary comparison" in md and "**significant**" in md
+    assert "## Against the controls" in md and "| +Relation | +Relation, shuffled teacher |" in md
+    assert "| Privileged KV, no rationale | privileged_kv_untrained | not run |" in md
+    # relation vs shuffled (0.8 vs 0.75 on 200 items x 5 seeds) need not be significant: the verdict follows
+    verdict = next(line for line in md.splitlines() if line.startswith("- +Relation:"))
+    beats_all = all(
+        rel["comparisons"][r]["ttest"]["p_value"] < 0.05 and rel["comparisons"][r]["permutation_p"] < 0.05
+        for r in rel["comparisons"])
+    assert ("beats its reference and all controls**" in verdict) == beats_all
+
+
+def test_reference_must_be_run(tmp_path):
+    _write_yaml(tmp_path / "train.yaml", {"student": "s"})
+    abl = _write_yaml(tmp_path / "a.yaml", {"base_config": "train.yaml", "variants": ["baseline", "privileged_kv"]})
+    with pytest.raises(AblationError, match="sft_no_rationale"):
+        load_ablation_config(abl)

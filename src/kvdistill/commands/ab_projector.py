@@ -19,9 +19,7 @@ Example:
 
 from __future__ import annotations
 
-import datetime as _dt
 import math
-import os
 import sys
 import time
 import zlib
@@ -38,7 +36,7 @@ from kvdistill.align.projectors import build_projector
 from kvdistill.config import ConfigError, check_choice, option, parse_config
 from kvdistill.evaluate.stats import mean_std
 from kvdistill.io import write_json_atomic, write_text_atomic
-from kvdistill.report import fmt_mean_std, fmt_pct, fmt_sig, param_count
+from kvdistill.report import environment, fmt_mean_std, fmt_pct, fmt_sig, param_count
 
 PROJECTORS = ("linear", "elastic")
 SCENARIOS = ("simple", "outliers", "nonlinear")
@@ -752,13 +750,8 @@ def main(argv: list[str] | None = None) -> int:
         data_kwargs=data_kwargs,
         log=print,
     )
-    result["machine"] = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
+    result["machine"] = {**environment(), "threads": torch.get_num_threads(),
+                         "wall_s": round(time.perf_counter() - t0, 1)}
     params = [] if args.no_param_check else param_check()
     print()
     print(results_table(result))

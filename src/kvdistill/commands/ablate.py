@@ -28,13 +28,16 @@ from __future__ import annotations
 import copy
 import json
 import math
+import multiprocessing
 import re
 import traceback
 from collections.abc import Callable, Mapping
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from kvdistill.commands.eval import EvalConfig
@@ -132,11 +135,31 @@ class AblationError(ConfigError):
 
 @dataclass
 class Variant:
-    """One row of the ablation: a name (its run dir), a report label and train-config overrides."""
+    """One row of the ablation: a name (its run dir), a report label and train-config overrides.
+
+    `reference`: the variant it is compared with (None: the ablation's baseline); `controls`: the
+    control variants it must also beat (compared when they are part of the ablation).
+    """
 
     name: str
     label: str
     overrides: dict[str, Any] = field(default_factory=dict)
+    reference: str | None = None
+    controls: list[str] = field(default_factory=list)
+
+
+# the controls of each built-in KV signal, and the reference of variants on another task
+# (the privileged student reads no rationale: its SFT reference reads none either)
+_CONTROLS = {
+    "full": ["untrained_teacher"],
+    "kv": ["kv_untrained", "kv_shuffled"],
+    "relation": ["relation_untrained", "relation_shuffled"],
+    "privileged_kv": ["privileged_kv_untrained", "privileged_kv_shuffled"],
+    "logit_kd_kv": ["logit_kd"],
+    "logit_kd_relation": ["logit_kd"],
+}
+_REFERENCES = {name: "sft_no_rationale" for name in
+               ("privileged_kv", "privileged_kv_untrained", "privileged_kv_shuffled")}
 
 
 def resolve_variants(spec: Any) -> list[Variant]:
@@ -163,23 +186,24 @@ def resolve_variants(spec: Any) -> list[Variant]:
             continue
         if not isinstance(entry, Mapping) or "name" not in entry:
             raise AblationError(f"a variant must be a name or a mapping with `name:`, got {entry!r}")
-        unknown = set(entry) - {"name", "overrides", "base", "label"}
+        unknown = set(entry) - {"name", "overrides", "base", "label", "reference", "controls"}
         if unknown:
             raise AblationError(
                 f"variant {entry['name']!r}: unknown keys {sorted(unknown)} "
-                "(use name, overrides, base, label)"
+                "(use name, overrides, base, label, reference, controls)"
             )
         name = str(entry["name"])
-        overrides: dict[str, Any] = {}
-        label = name
+        start = Variant(name, name)
         if entry.get("base") is not None:
             base = _builtin(str(entry["base"]))
-            overrides, label = dict(base.overrides), f"{base.label} + {name}"
+            start = Variant(name, f"{base.label} + {name}", dict(base.overrides), base.reference, [])
         elif name in BUILTIN_VARIANTS and not entry.get("overrides"):
-            base = _builtin(name)
-            overrides, label = dict(base.overrides), base.label
-        overrides.update(entry.get("overrides") or {})
-        out.setdefault(name, Variant(name, str(entry.get("label") or label), overrides))
+            start = _builtin(name)
+        start.overrides.update(entry.get("overrides") or {})
+        start.label = str(entry.get("label") or start.label)
+        start.reference = entry.get("reference", start.reference)
+        start.controls = list(entry.get("controls", start.controls))
+        out.setdefault(name, start)
     for name in out:
         if not _NAME_OK.match(name):
             raise AblationError(
@@ -198,7 +222,7 @@ def _builtin(name: str) -> Variant:
             "{name: ..., overrides: {...}}"
         )
     label, overrides = BUILTIN_VARIANTS[name]
-    return Variant(name, label, copy.deepcopy(overrides))
+    return Variant(name, label, copy.deepcopy(overrides), _REFERENCES.get(name), list(_CONTROLS.get(name, [])))
 
 
 # ----------------------------------------------------------------------------- config
@@ -221,6 +245,9 @@ class AblationConfig:
     eval: None | str | dict = option({}, "`kvdistill eval` settings for every run (keys of EvalConfig: split, limit, "
                                      "batch_size, max_new_tokens, ...).")
     n_resamples: int = option(10_000, "Permutation / bootstrap resamples.")
+    workers: int = option(1, "Runs trained at once, each in its own process (CPU: one per core).")
+    threads: int = option(1, "torch threads per run (fixed, so the same command and seed give the same numbers; "
+                          "recorded with every result).")
     keep_going: bool = option(False, "Log a failed run and go on with the others.")
     report_only: bool = option(False, "Train nothing; rebuild the report from finished runs.")
     list_variants: bool = option(False, "Print the built-in variants and sets, and exit.")
@@ -242,6 +269,11 @@ class AblationConfig:
             self.baseline = "baseline" if "baseline" in names else names[0]
         if self.baseline not in names:
             raise AblationError(f"baseline {self.baseline!r} is not among the variants {names}")
+        for v in self.variants:
+            if v.reference is not None and v.reference not in names:
+                raise AblationError(f"variant {v.name!r} is compared with {v.reference!r}: add it to the variants")
+        if self.workers < 1 or self.threads < 1:
+            raise AblationError("workers and threads must be >= 1")
         self.primary = to_plain(self.primary)
         if self.primary is not None and (
             not isinstance(self.primary, list) or len(self.primary) != 2 or not set(self.primary) <= set(names)
@@ -267,6 +299,12 @@ class AblationConfig:
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
+
+    def references(self, v: Variant) -> list[str]:
+        """What `v` is compared with: its reference (or the baseline), then its controls that are run."""
+        names = {x.name for x in self.variants}
+        ref = v.reference or self.baseline
+        return [r for r in [ref, *v.controls] if r in names and r != v.name]
 
 
 def load_ablation_config(path: str | Path, **overrides: Any) -> AblationConfig:
@@ -329,6 +367,25 @@ TrainFn = Callable[[list[str]], int]
 EvalFn = Callable[[str, str, Mapping[str, Any]], Any]
 
 
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def train_and_evaluate(rdir: str, settings: Mapping[str, Any], train_fn: TrainFn | None = None,
+                       eval_fn: EvalFn | None = None) -> None:
+    """Train one run from its `train_config.yaml` (unless finished) and evaluate it into `eval/`."""
+    train_fn, eval_fn, path = train_fn or _default_train, eval_fn or _default_eval, Path(rdir)
+    if not (path / "train_summary.json").exists():
+        rc = train_fn(["--config", str(path / "train_config.yaml")])
+        if rc:
+            raise RuntimeError(f"training exited with code {rc}")
+        if not (path / "train_summary.json").exists():
+            raise RuntimeError(f"training finished but wrote no {path / 'train_summary.json'}")
+    eval_fn(str(path), str(path / "eval"), settings)
+    if not (path / "eval" / "summary.json").exists():
+        raise RuntimeError(f"evaluation wrote no {path / 'eval' / 'summary.json'}")
+
+
 def run_ablation(
     cfg: AblationConfig,
     *,
@@ -352,38 +409,52 @@ def run_ablation(
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
-    total = len(cfg.variants) * len(cfg.seeds)
-    k = 0
     # seed-major order: a partial ablation already holds complete seeds for every variant
-    for seed in cfg.seeds:
-        for variant in cfg.variants:
-            k += 1
-            rdir = run_dir(cfg, variant.name, seed)
-            tag = f"[{k}/{total}] {variant.name} seed {seed}"
-            if (rdir / "eval" / "summary.json").exists():
-                log(f"{tag}: finished, skipped")
-                continue
-            try:
-                train_cfg = train_config_for(cfg, variant, seed)
-                if not (rdir / "train_summary.json").exists():
-                    rdir.mkdir(parents=True, exist_ok=True)
-                    cfg_path = rdir / "train_config.yaml"
-                    cfg_path.write_text(yaml.safe_dump(train_cfg, sort_keys=False, allow_unicode=True))
-                    log(f"{tag}: training -> {rdir}")
-                    rc = train_fn(["--config", str(cfg_path)])
-                    if rc:
-                        raise RuntimeError(f"training exited with code {rc}")
-                    if not (rdir / "train_summary.json").exists():
-                        raise RuntimeError(f"training finished but wrote no {rdir / 'train_summary.json'}")
-                log(f"{tag}: evaluating")
-                eval_fn(str(rdir), str(rdir / "eval"), eval_settings_for(cfg, train_cfg))
-                if not (rdir / "eval" / "summary.json").exists():
-                    raise RuntimeError(f"evaluation wrote no {rdir / 'eval' / 'summary.json'}")
-            except Exception as err:
-                if not cfg.keep_going:
-                    raise
-                failures.append(f"{variant.name} seed {seed}: {type(err).__name__}: {err}")
-                log(f"{tag}: FAILED\n{traceback.format_exc()}")
+    jobs = [(v, s) for s in cfg.seeds for v in cfg.variants]
+    todo = []
+    for k, (variant, seed) in enumerate(jobs, 1):
+        rdir = run_dir(cfg, variant.name, seed)
+        tag = f"[{k}/{len(jobs)}] {variant.name} seed {seed}"
+        if (rdir / "eval" / "summary.json").exists():
+            log(f"{tag}: finished, skipped")
+            continue
+        train_cfg = train_config_for(cfg, variant, seed)
+        rdir.mkdir(parents=True, exist_ok=True)
+        if not (rdir / "train_summary.json").exists():
+            write_text_atomic(rdir / "train_config.yaml", yaml.safe_dump(train_cfg, sort_keys=False, allow_unicode=True))
+        todo.append((tag, str(rdir), eval_settings_for(cfg, train_cfg)))
+
+    def done(tag: str, err: BaseException | None, tb: str = "") -> None:
+        if err is None:
+            log(f"{tag}: done")
+            return
+        if not cfg.keep_going:
+            raise err
+        failures.append(f"{tag.split('] ', 1)[1]}: {type(err).__name__}: {err}")
+        log(f"{tag}: FAILED\n{tb}")
+
+    if cfg.workers == 1 or len(todo) <= 1:
+        before = torch.get_num_threads()
+        torch.set_num_threads(cfg.threads)
+        try:
+            for tag, rdir, settings in todo:
+                log(f"{tag}: training + evaluating -> {rdir}")
+                try:
+                    train_and_evaluate(rdir, settings, train_fn, eval_fn)
+                    done(tag, None)
+                except Exception as err:
+                    done(tag, err, traceback.format_exc())
+        finally:
+            torch.set_num_threads(before)
+    else:  # one process per run: runs share no state, each keeps its fixed thread count
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(cfg.workers, mp_context=ctx, initializer=_init_worker,
+                                 initargs=(cfg.threads,)) as pool:
+            futures = {pool.submit(train_and_evaluate, rdir, settings): tag for tag, rdir, settings in todo}
+            log(f"{len(futures)} runs on {cfg.workers} workers x {cfg.threads} thread(s)")
+            for fut in as_completed(futures):
+                err = fut.exception()
+                done(futures[fut], err, "".join(traceback.format_exception(err)) if err else "")
     report = summarize(cfg)
     report["failures"] = failures
     write_report(report, cfg)
@@ -434,7 +505,9 @@ def read_run(rdir: Path) -> dict[str, Any] | None:
         "ce": final.get("ce"),
         "kv_loss": final.get("kv_loss"),
         "cos_sim": final.get("cos_sim"),
+        "relation_kl": final.get("relation_kl"),
         "global_step": train.get("global_step"),
+        "environment": train.get("environment"),
         "items": items,
         "metrics": read_metrics(rdir / "metrics.jsonl"),
     }
@@ -479,12 +552,11 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
         v.name: {s: r for s in cfg.seeds if (r := read_run(run_dir(cfg, v.name, s))) is not None}
         for v in cfg.variants
     }
-    base = runs[cfg.baseline]
     variants: dict[str, Any] = {}
     for v in cfg.variants:
         per_seed = runs[v.name]
         row: dict[str, Any] = {"label": v.label, "overrides": v.overrides, "seeds": sorted(per_seed)}
-        for key in ("accuracy", "cos_sim", "perplexity", "ce", "kv_loss"):
+        for key in ("accuracy", "cos_sim", "relation_kl", "perplexity", "ce", "kv_loss"):
             mean, std, n = mean_std([r[key] for r in per_seed.values()])
             row[key] = {"mean": mean, "std": std, "n": n}
         row["runs"] = {
@@ -499,14 +571,28 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
                     "ce",
                     "kv_loss",
                     "cos_sim",
+                    "relation_kl",
                     "global_step",
                 )
             }
             for s, r in sorted(per_seed.items())
         }
-        if v.name != cfg.baseline and per_seed and base:
-            row["vs_baseline"] = compare(per_seed, base, cfg.n_resamples)
+        row["reference"] = v.reference or cfg.baseline
+        row["controls"] = v.controls
+        row["comparisons"] = {
+            ref: compare(per_seed, runs[ref], cfg.n_resamples)
+            for ref in cfg.references(v) if per_seed and runs[ref]
+        }
+        if row["reference"] in row["comparisons"]:
+            row["vs_baseline"] = row["comparisons"][row["reference"]]
         variants[v.name] = row
+    primary = None
+    if cfg.primary:
+        name, ref = cfg.primary
+        if runs[name] and runs[ref]:
+            primary = {"variant": name, "reference": ref, **compare(runs[name], runs[ref], cfg.n_resamples)}
+    environments = {str(r["environment"]) for per_seed in runs.values() for r in per_seed.values()
+                    if r.get("environment")}
     return {
         "baseline": cfg.baseline,
         "seeds": cfg.seeds,
@@ -514,6 +600,9 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
         "common_overrides": cfg.overrides,
         "eval": cfg.eval,
         "n_resamples": cfg.n_resamples,
+        "primary": primary,
+        "threads": cfg.threads,
+        "environments": sorted(environments),
         "variants": variants,
         "_curves": {name: {s: r["metrics"] for s, r in per_seed.items()} for name, per_seed in runs.items()},
     }
@@ -527,32 +616,67 @@ def _pm(stat: Mapping[str, float], digits: int = 3) -> str:
     return fmt_mean_std(stat["mean"], stat["std"], digits) if stat and stat.get("n", 0) else fmt_num(None)
 
 
+def _cmp_cells(cmp_: Mapping[str, Any]) -> list[str]:
+    """Δ, t-test p, permutation p, bootstrap CI of one comparison."""
+    b = cmp_["bootstrap"]
+    ci = "–" if math.isnan(b["ci_low"]) else f"[{b['ci_low']:+.3f}, {b['ci_high']:+.3f}]"
+    return [fmt_signed(cmp_["delta_accuracy"]), fmt_p(cmp_["ttest"]["p_value"]), fmt_p(cmp_["permutation_p"]), ci]
+
+
+def _beats(cmp_: Mapping[str, Any] | None, alpha: float = 0.05) -> bool:
+    """Higher accuracy at paired p < alpha on both the seed-level and the item-level test."""
+    return bool(cmp_) and cmp_["delta_accuracy"] > 0 and cmp_["ttest"]["p_value"] < alpha and (
+        cmp_["permutation_p"] < alpha)
+
+
 def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None = None) -> str:
-    """`ablation.md`: the variant table, the per-run table, how the tests were done, the plots."""
-    base = report["baseline"]
-    base_label = report["variants"][base]["label"]
-    lines = [
-        "# Ablation",
-        "",
-        f"Base config `{report['base_config']}`; seeds {report['seeds']}; baseline **{base_label}**.",
-        "",
-        f"| variant | seeds | accuracy | cos-sim | perplexity | Δ acc vs {base_label} | t-test p (seeds) "
+    """`ablation.md`: primary comparison, variant table, controls, per-run table, method, plots."""
+    rows = report["variants"]
+    label = {name: row["label"] for name, row in rows.items()}
+    base_label = label[report["baseline"]]
+    lines = ["# Ablation", "", f"Base config `{report['base_config']}`; seeds {report['seeds']}; baseline "
+             f"**{base_label}**; {report.get('threads', 1)} torch thread(s) per run.", ""]
+    prim = report.get("primary")
+    if prim:
+        delta, tp, pp, ci = _cmp_cells(prim)
+        verdict = "**significant**" if _beats(prim) else "**not significant**"
+        lines += ["## Primary comparison (named in the config before the run)", "",
+                  f"{label[prim['variant']]} vs {label[prim['reference']]} over seeds {prim['seeds']}: Δ accuracy "
+                  f"{delta}, paired t-test p {tp}, permutation p {pp}, bootstrap 95 % CI {ci} — {verdict} at "
+                  "p < 0.05 on both tests.", ""]
+    lines += [
+        "| variant | seeds | accuracy | cos-sim | relation KL | perplexity | reference | Δ acc | t-test p (seeds) "
         "| permutation p (items) | bootstrap 95 % CI of Δ (items) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in report["variants"].values():
+    for row in rows.values():
         cmp_ = row.get("vs_baseline")
-        if cmp_ is None:
-            delta = ttest_p = perm_p = ci = "–"
-        else:
-            b = cmp_["bootstrap"]
-            delta = fmt_signed(cmp_["delta_accuracy"])
-            ttest_p, perm_p = fmt_p(cmp_["ttest"]["p_value"]), fmt_p(cmp_["permutation_p"])
-            ci = "–" if math.isnan(b["ci_low"]) else f"[{b['ci_low']:+.3f}, {b['ci_high']:+.3f}]"
+        cells = _cmp_cells(cmp_) if cmp_ else ["–"] * 4
+        ref = label.get(row.get("reference"), "–") if cmp_ else "–"
         lines.append(
             f"| {row['label']} | {len(row['seeds'])} | {_pm(row['accuracy'])} | {_pm(row['cos_sim'])} "
-            f"| {_pm(row['perplexity'], 2)} | {delta} | {ttest_p} | {perm_p} | {ci} |"
+            f"| {_pm(row.get('relation_kl', {}), 4)} | {_pm(row['perplexity'], 2)} | {ref} | " + " | ".join(cells) + " |"
         )
+    controlled = {n: r for n, r in rows.items() if r.get("controls")}
+    if controlled:
+        lines += ["", "## Against the controls", "",
+                  "A KV signal counts as knowledge transfer only if it beats its reference **and** every "
+                  "control (untrained teacher, shuffled teacher) at p < 0.05 on both paired tests.", "",
+                  "| variant | compared with | Δ acc | t-test p | permutation p | bootstrap 95 % CI | beats it |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in controlled.values():
+            for ref in [row["reference"], *row["controls"]]:
+                cmp_ = row["comparisons"].get(ref)
+                if cmp_ is None:
+                    lines.append(f"| {row['label']} | {label.get(ref, ref)} | not run | | | | |")
+                    continue
+                lines.append(f"| {row['label']} | {label[ref]} | " + " | ".join(_cmp_cells(cmp_))
+                             + f" | {'yes' if _beats(cmp_) else 'no'} |")
+        lines.append("")
+        for row in controlled.values():
+            refs = [row["reference"], *row["controls"]]
+            ok = all(_beats(row["comparisons"].get(r)) for r in refs)
+            lines.append(f"- {row['label']}: {'**beats its reference and all controls**' if ok else 'does not beat its reference and all controls'}.")
     n_seeds = min((len(r["seeds"]) for r in report["variants"].values()), default=0)
     lines += [
         "",
@@ -575,19 +699,21 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         "",
         "## Runs",
         "",
-        "| variant | seed | accuracy | 95 % CI | n | cos-sim | CE | perplexity | steps |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | seed | accuracy | 95 % CI | n | cos-sim | relation KL | CE | perplexity | steps |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["variants"].values():
         for seed, r in row["runs"].items():
             lines.append(
                 f"| {row['label']} | {seed} | {fmt_num(r['accuracy'])} | [{fmt_num(r['ci_low'])}, {fmt_num(r['ci_high'])}] "
-                f"| {r['n']} | {fmt_num(r['cos_sim'])} | {fmt_num(r['ce'])} | {fmt_num(r['perplexity'], 2)} "
-                f"| {r['global_step'] if r['global_step'] is not None else '–'} |"
+                f"| {r['n']} | {fmt_num(r['cos_sim'])} | {fmt_num(r.get('relation_kl'), 4)} | {fmt_num(r['ce'])} "
+                f"| {fmt_num(r['perplexity'], 2)} | {r['global_step'] if r['global_step'] is not None else '–'} |"
             )
     lines += ["", "## Variants", ""]
     for name, row in report["variants"].items():
         lines.append(f"- **{row['label']}** (`{name}`): `{json.dumps(row['overrides'], sort_keys=True)}`")
+    if report.get("environments"):
+        lines += ["", "Environment of the runs: " + "; ".join(f"`{e}`" for e in report["environments"])]
     if plots:
         lines += ["", "## Plots", ""]
         for title, fname in plots.items():
@@ -596,11 +722,11 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
 
 
 def _metric(row: Mapping[str, Any], key: str) -> float | None:
-    """`row[key]`; for cos_sim, the trainer logs one value per teacher (`cos_sim/<name>`): their mean."""
+    """`row[key]`; cos_sim and relation_kl are logged per teacher (`cos_sim/<name>`): their mean."""
     if row.get(key) is not None:
         return float(row[key])
-    if key == "cos_sim":
-        per_teacher = [float(v) for k, v in row.items() if k.startswith("cos_sim/") and v is not None]
+    if key in ("cos_sim", "relation_kl"):
+        per_teacher = [float(v) for k, v in row.items() if k.startswith(f"{key}/") and v is not None]
         return sum(per_teacher) / len(per_teacher) if per_teacher else None
     return None
 
@@ -628,7 +754,7 @@ def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]
     panels: dict[str, dict[str, list[tuple[list[float], list[float]]]]] = {}
     for name, per_seed in curves_raw.items():
         for metrics in per_seed.values():
-            for key in ("loss", "ce", "kv_loss", "cos_sim"):
+            for key in ("eval_accuracy", "loss", "ce", "kv_loss", "cos_sim", "relation_kl"):
                 pts = [(m["step"], v) for m in metrics if (v := _metric(m, key)) is not None and "step" in m]
                 if pts:
                     steps, vals = zip(*pts)

@@ -19,11 +19,8 @@ Example:
 
 from __future__ import annotations
 
-import datetime as _dt
 import importlib.util
 import json
-import os
-import platform
 import sys
 import time
 import traceback
@@ -36,7 +33,7 @@ import torch
 
 from kvdistill.config import ConfigError, option, parse_config
 from kvdistill.io import repo_relative, write_json_atomic, write_text_atomic
-from kvdistill.report import fmt_sig, markdown_table
+from kvdistill.report import environment, fmt_sig, markdown_table
 
 BENCH_PREFIX = "bench_"
 README_NAME = "README.md"
@@ -92,20 +89,6 @@ def load_benchmark(path: Path) -> ModuleType:
 # --------------------------------------------------------------------------- running
 
 
-def machine_info() -> dict[str, Any]:
-    """What a reader needs to compare timings: torch, threads, cores, date."""
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "cuda": torch.cuda.is_available(),
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
-
-
 def run_benchmark(name: str, path: Path, quick: bool) -> dict[str, Any]:
     """Import and run one benchmark; an exception is recorded, not raised."""
     record: dict[str, Any] = {"benchmark": name, "file": repo_relative(path), "quick": quick}
@@ -119,7 +102,7 @@ def run_benchmark(name: str, path: Path, quick: bool) -> dict[str, Any]:
         record["error"] = f"{type(exc).__name__}: {exc}"
         record["traceback"] = traceback.format_exc()
     record["wall_s"] = round(time.perf_counter() - t0, 3)
-    record["machine"] = machine_info()
+    record["machine"] = environment()
     return record
 
 

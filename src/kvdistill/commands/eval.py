@@ -20,6 +20,7 @@ import torch
 from kvdistill.config import ConfigError, check_choice, option, parse_config, to_plain
 from kvdistill.data import DEFAULT_TEMPLATE, load_records
 from kvdistill.evaluate.scoring import CHAT_MODES, evaluate_model, write_results
+from kvdistill.report import environment
 
 
 @dataclass
@@ -155,6 +156,7 @@ def run_eval(
             "limit": limit,
             "dtype": dtype,
             "device": str(device),
+            "environment": environment(),
         }
     )
     if out is not None:

@@ -23,6 +23,7 @@ from kvdistill.fusion import TeacherFusion
 from kvdistill.io import write_json_atomic
 from kvdistill.losses import RelationKVLoss, build_kv_loss
 from kvdistill.models import config_hash, load_model, load_tokenizer, num_layers
+from kvdistill.report import environment
 from kvdistill.teachers import TeacherSet, load_teacher
 from kvdistill.train.config import KVDistillConfig, parse_config
 from kvdistill.train.model import KVDistillModel, LossWeights
@@ -159,9 +160,12 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
         LossWeights(cfg.ce_weight, cfg.codi_weight, cfg.logit_kd_weight, cfg.logit_kd_kind, cfg.logit_kd_temperature),
         key_space=cfg.key_space, codi_dims=codi_dims, kv_segments=_kv_segments(cfg),
     )
+    accuracy_records = None
+    if cfg.accuracy_eval_steps > 0:
+        accuracy_records = load_records(cfg.data, cfg.accuracy_eval_split, cfg.field_map, cfg.accuracy_eval_limit)
     return KVDistillTrainer(
         model=model, args=cfg, train_dataset=datasets.Dataset.from_list(records), data_collator=collator,
-        processing_class=tokenizer, teachers=teacher_set, layer_maps=layer_maps,
+        processing_class=tokenizer, teachers=teacher_set, layer_maps=layer_maps, accuracy_records=accuracy_records,
     )
 
 
@@ -190,6 +194,7 @@ def run_training(cfg: KVDistillConfig) -> Path:
             "final": final_metrics(out / "metrics.jsonl"),
             "teachers": trainer.teachers.manifest(),
             "student": cfg.student,
+            "environment": environment(),
         }
         write_json_atomic(out / "train_summary.json", summary)
         plot_training_curves(out / "metrics.jsonl", out)

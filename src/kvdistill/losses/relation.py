@@ -26,10 +26,35 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from kvdistill.cache import PAD, SEGMENT_NAMES
 from kvdistill.losses.kv import REDUCTIONS, token_weights
+
+# masked logits: finite (0 * fill is 0, no NaN; a row without keys is uniform) and still finite after
+# adding real logits; exp(fill - max) is exactly 0
+_FILL = torch.finfo(torch.float32).min / 2
+
+
+class _RowKL(torch.autograd.Function):
+    """`sum_j p_j (log p_j - log_softmax(z)_j)` over the last dim, for a constant target `p`.
+
+    The gradient w.r.t. `z` is `(softmax(z) - p) * grad` (0 on masked keys, where both are 0), so
+    only `log_softmax(z)` and `p` are saved instead of autograd's chain of `[.., C, T]` temporaries.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, z: Tensor, p: Tensor, p_log_p: Tensor) -> Tensor:
+        log_q = z.log_softmax(-1)  # [N, C, T]
+        ctx.save_for_backward(log_q, p)
+        return p_log_p - torch.linalg.vecdot(p, log_q)  # [N, C]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        log_q, p = ctx.saved_tensors
+        return log_q.exp().sub_(p).mul_(grad.unsqueeze(-1)), None, None
 
 
 class RelationKVLoss(nn.Module):
@@ -107,15 +132,20 @@ class RelationKVLoss(nn.Module):
         Returns:
             `[L, B, C]` per-row KL, averaged over relation heads.
         """
-        key = keys[None, :, None, None, :]  # [1, B, 1, 1, T]
-        fill = torch.finfo(torch.float32).min  # finite: a row without keys gives no NaN
-        scale_s = 1.0 / (math.sqrt(s.shape[-1]) * self.temperature)
-        scale_t = 1.0 / (math.sqrt(t.shape[-1]) * self.temperature)
-        log_s = (s_rows @ s.transpose(-1, -2) * scale_s).masked_fill(~key, fill)  # [L, B, R, C, T]
-        log_t = (t_rows @ t.transpose(-1, -2) * scale_t).masked_fill(~key, fill)  # [L, B, R, C, T]
-        log_s, log_t = log_s.log_softmax(-1), log_t.log_softmax(-1)  # over keys
-        kl = torch.where(key, log_t.exp() * (log_t - log_s), 0.0)  # [L, B, R, C, T]; 0 at masked keys
-        return kl.sum(-1).mean(2)  # [L, B, C]
+        L, B, R, T = s.shape[:4]
+        bias = torch.zeros(keys.shape, device=s.device).masked_fill(~keys, _FILL)  # [B, T]
+        bias = bias[None, :, None, None, :].expand(L, B, R, 1, T).flatten(0, 2)  # [L*B*R, 1, T]
+
+        def logits(x: Tensor, rows: Tensor) -> Tensor:  # [L*B*R, C, T], masked keys at _FILL
+            scale = 1.0 / (math.sqrt(x.shape[-1]) * self.temperature)  # on the rows: cheaper than on [C, T]
+            return torch.baddbmm(bias, (rows * scale).flatten(0, 2), x.flatten(0, 2).transpose(1, 2))
+
+        with torch.no_grad():  # the teacher is a constant target
+            log_p = logits(t, t_rows).log_softmax(-1)  # [L*B*R, C, T] over keys
+            p = log_p.exp()  # exactly 0 on masked keys
+            p_log_p = torch.linalg.vecdot(p, log_p)  # [L*B*R, C]
+        kl = _RowKL.apply(logits(s, s_rows), p, p_log_p)  # [L*B*R, C]
+        return kl.unflatten(0, (L, B, R)).mean(2)  # [L, B, C]
 
     def forward(
         self, student: Tensor, teacher: Tensor, mask: Tensor, segment_ids: Tensor | None = None

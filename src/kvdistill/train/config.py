@@ -81,6 +81,12 @@ class KVDistillConfig(TrainingArguments):
     max_length: int = option(512, "Maximum tokens per example (longer ones are cut, with a warning).")
     prompt_template: str = option(DEFAULT_TEMPLATE, "Prompt template with {question}.")
     use_chat_template: bool = option(False, "Format prompts with the tokenizer's chat template.")
+    accuracy_eval_steps: int = option(0, "Every N optimizer steps (and at the end), greedy-decode the "
+                                      "accuracy_eval_split and log `eval_accuracy` (accuracy-vs-steps curves); 0: off.")
+    accuracy_eval_split: str = option("dev", "Split of `data` for the accuracy curve (never the test split you "
+                                      "report on).")
+    accuracy_eval_limit: int = option(200, "Items of accuracy_eval_split per curve point.")
+    accuracy_eval_max_new_tokens: int = option(64, "Generation budget per item for the accuracy curve.")
     # ---- alignment
     time_mode: str = option("segment", f"Time alignment: {TIME_MODES}.")
     layer_map: str = option("proportional", f"Layer mapping: {LAYER_MAPS} (cka reads each teacher's layer_map JSON).")
@@ -194,6 +200,8 @@ class KVDistillConfig(TrainingArguments):
             raise ConfigError("gradient (activation) checkpointing makes transformers drop the student's KV cache in "
                               "training, so the KV loss has nothing to compare; set gradient_checkpointing: false "
                               "(or kv_weight: 0); see docs/training.md")
+        if self.accuracy_eval_steps < 0 or self.accuracy_eval_limit < 1:
+            raise ConfigError("accuracy_eval_steps must be >= 0 and accuracy_eval_limit >= 1")
         if self.key_space == "auto":
             self.key_space = "pre_rope" if self.kv_loss == "relation" else "post_rope"
         try:

@@ -49,18 +49,48 @@ class MetricsFileCallback(TrainerCallback):
                 f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
 
+class AccuracyCallback(TrainerCallback):
+    """Greedy-decode held-out items every `every` optimizer steps and at the end; log `eval_accuracy`.
+
+    Runs on the main process only (the student is unwrapped; other ranks wait at the next sync).
+    """
+
+    def __init__(self, trainer: KVDistillTrainer, records: list[dict], every: int, max_new_tokens: int):
+        self.trainer, self.records, self.every, self.max_new_tokens = trainer, records, every, max_new_tokens
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        if not state.is_world_process_zero or (step % self.every and step != state.max_steps):
+            return
+        from kvdistill.evaluate.scoring import evaluate_model
+
+        student = self.trainer.distill_model.student
+        was_training = student.training
+        result = evaluate_model(
+            student, self.trainer.processing_class, self.records, batch_size=100,
+            max_new_tokens=self.max_new_tokens, template=args.prompt_template,
+            chat_template="auto" if args.use_chat_template else "off", perplexity=False, progress=False,
+        )
+        student.train(was_training)
+        self.trainer.log({"eval_accuracy": result["accuracy"]})
+
+
 class KVDistillTrainer(Trainer):
     """Trainer whose model is a `KVDistillModel` and whose loss distils from `teachers`."""
 
     # compute_loss normalises by global token counts itself: Trainer must not divide again
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args: Any, teachers: TeacherSet, layer_maps: dict[str, Any] | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, teachers: TeacherSet, layer_maps: dict[str, Any] | None = None,
+                 accuracy_records: list[dict] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.teachers = teachers
         self.layer_maps = layer_maps or {}
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self.add_callback(MetricsFileCallback(Path(self.args.output_dir) / "metrics.jsonl"))
+        if accuracy_records and self.args.accuracy_eval_steps > 0:
+            self.add_callback(AccuracyCallback(self, accuracy_records, self.args.accuracy_eval_steps,
+                                               self.args.accuracy_eval_max_new_tokens))
         if getattr(self.accelerator.state, "deepspeed_plugin", None) is not None:
             self.teachers.prepare_deepspeed(self.accelerator)
 
