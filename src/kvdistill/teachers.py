@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kvdistill.cache import KeySpace, KVCache, forward_with_kv
+from kvdistill.cache import PAD, KeySpace, KVCache, forward_with_kv
 from kvdistill.models import config_hash, load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,57 @@ def load_teacher(spec: Any, student_tokenizer: Any, *, untrained: bool = False, 
     return Teacher(spec.name, str(spec.path), freeze(model), tokenizer, spec.weight, shares)
 
 
+class TeacherCache:
+    """Each training record's teacher outputs, kept in CPU memory: a teacher runs once per record.
+
+    Teachers are frozen and deterministic (eval mode), and the collator tokenizes a record the same
+    way every epoch, so a record's teacher KV never changes. With many epochs over a small labelled
+    set (distillation with few labels) the cache removes the teacher forward from every epoch but
+    the first. Records are stored unpadded, time-major (`[T_i, L, H, D]`), and a batch is padded on
+    the right to its longest record, as the collator pads it; values equal the live forward up to
+    float rounding of the batch it was first computed in. Memory: records × (keys + values
+    [+ hidden states, logits]) of one record, e.g. 500 records × 3 layers × 48 × 55 tokens × 8 bytes
+    ≈ 32 MB for K and V in fp32.
+    """
+
+    def __init__(self):
+        self.store: dict[tuple, dict[str, Tensor]] = {}
+
+    def has(self, key: tuple, index: Tensor) -> bool:
+        return all((*key, int(i)) in self.store for i in index)
+
+    def put(self, key: tuple, index: Tensor, kv: KVCache, logits: Tensor | None) -> None:
+        lengths = kv.attention_mask.sum(1).tolist()  # right padding: the first n tokens are real
+        for b, (i, n) in enumerate(zip(index.tolist(), lengths)):
+            n = int(n)
+            entry = {
+                "keys": kv.keys[:, b, :, :n].permute(2, 0, 1, 3).cpu(),  # [T_i, L, H, D]
+                "values": kv.values[:, b, :, :n].permute(2, 0, 1, 3).cpu(),
+                "segment_ids": kv.segment_ids[b, :n].cpu(),  # [T_i]
+            }
+            if kv.hidden_states is not None:
+                entry["hidden_states"] = kv.hidden_states[:, b, :n].transpose(0, 1).cpu()  # [T_i, L+1, d]
+            if logits is not None:
+                entry["logits"] = logits[b, :n].cpu()  # [T_i, V]
+            self.store[(*key, int(i))] = entry
+
+    def get(self, key: tuple, index: Tensor, device: torch.device) -> tuple[KVCache, Tensor | None]:
+        """The batch of records `index [B]`, right-padded: KV `[L, B, H, T, D]`, logits `[B, T, V]`."""
+        from torch.nn.utils.rnn import pad_sequence
+
+        entries = [self.store[(*key, int(i))] for i in index]
+
+        def stack(field: str, pad: float = 0.0) -> Tensor:
+            return pad_sequence([e[field] for e in entries], batch_first=True, padding_value=pad).to(device)
+
+        keys, values = stack("keys").permute(2, 0, 3, 1, 4), stack("values").permute(2, 0, 3, 1, 4)  # [L, B, H, T, D]
+        seg = stack("segment_ids", PAD)  # [B, T]
+        hidden = stack("hidden_states").permute(2, 0, 1, 3) if "hidden_states" in entries[0] else None
+        logits = stack("logits") if "logits" in entries[0] else None
+        kv = KVCache(keys, values, (seg != PAD).long(), seg, hidden)
+        return kv, logits
+
+
 class TeacherSet:
     """The teachers of a run, placed on the device (or offloaded to CPU between forwards).
 
@@ -82,10 +133,12 @@ class TeacherSet:
     `prepare_deepspeed` so its parameters are partitioned like the student's.
     """
 
-    def __init__(self, teachers: list[Teacher], device: torch.device | str, offload: bool = False):
+    def __init__(self, teachers: list[Teacher], device: torch.device | str, offload: bool = False,
+                 cache: bool = False):
         self.teachers = {t.name: t for t in teachers}
         self.device = torch.device(device)
         self.offload = offload
+        self.cache = TeacherCache() if cache else None
         for t in teachers:
             if not _is_quantized(t.model):
                 t.model.to("cpu" if offload else self.device)
@@ -128,8 +181,26 @@ class TeacherSet:
         key_space: KeySpace = "post_rope",
         output_hidden_states: bool = False,
         return_logits: bool = False,
+        index: Tensor | None = None,
     ) -> tuple[KVCache, Tensor | None]:
-        """One teacher's detached KV (and logits when asked) on a batch."""
+        """One teacher's detached KV (and logits when asked) on a batch.
+
+        With the cache on and the records' ids `index [B]` given, records seen before are read from
+        memory; a batch with any new record runs the teacher and stores every record of it.
+        """
+        key = (name, key_space, output_hidden_states, return_logits)
+        if self.cache is not None and index is not None:
+            if self.cache.has(key, index):
+                return self.cache.get(key, index, input_ids.device)
+            kv, logits = self._forward(name, input_ids, attention_mask, segment_ids, key_space,
+                                       output_hidden_states, return_logits)
+            self.cache.put(key, index, kv, logits)
+            return kv, logits
+        return self._forward(name, input_ids, attention_mask, segment_ids, key_space, output_hidden_states,
+                             return_logits)
+
+    def _forward(self, name, input_ids, attention_mask, segment_ids, key_space, output_hidden_states,
+                 return_logits) -> tuple[KVCache, Tensor | None]:
         t = self.teachers[name]
         if self.offload and not _is_quantized(t.model):
             t.model.to(self.device)

@@ -302,3 +302,19 @@ def test_privileged_short_rationale_slots_per_teacher(base_args, tiny_world, met
 def test_kv_signal_config_errors(base_args, overrides, match):
     with pytest.raises(ConfigError, match=match):
         parse_config(_two_step_argv(base_args, **overrides))
+
+
+def test_teacher_cache_equals_live_teachers(base_args, tiny_world, tmp_path):
+    """Three epochs over 8 records: the cached run computes each record's teacher once and logs the
+    same losses as the live run."""
+    logs = {}
+    for cache in (False, True):
+        argv = base_args(max_steps=6, max_samples=8, per_device_train_batch_size=4, logging_steps=1, kv_weight=1,
+                         teachers=_cross_tokenizer_teachers(tiny_world), teacher_cache=cache,
+                         output_dir=tmp_path / f"cache_{cache}")
+        trainer = build_trainer(parse_config(argv))
+        trainer.train()
+        logs[cache] = [(r["loss"], r["kv_loss"]) for r in _rows_of(trainer)]
+        if cache:
+            assert len(trainer.teachers.cache.store) == 2 * 8  # two teachers x 8 records, computed once
+    torch.testing.assert_close(torch.tensor(logs[True]), torch.tensor(logs[False]), rtol=1e-4, atol=1e-5)

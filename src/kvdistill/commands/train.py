@@ -123,7 +123,7 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
     }
     collator = DistillCollator(tokenizer, cfg.max_length, cfg.prompt_template, cfg.use_chat_template, views,
                                cfg.student_input)
-    teacher_set = TeacherSet(teachers, cfg.device, offload=cfg.teacher_offload)
+    teacher_set = TeacherSet(teachers, cfg.device, offload=cfg.teacher_offload, cache=cfg.teacher_cache)
 
     # size the aligners from one probe batch (dims are read from the caches, so any pair works)
     aligners, layer_maps, codi_dims = {}, {}, {}

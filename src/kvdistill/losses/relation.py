@@ -38,23 +38,28 @@ _FILL = torch.finfo(torch.float32).min / 2
 
 
 class _RowKL(torch.autograd.Function):
-    """`sum_j p_j (log p_j - log_softmax(z)_j)` over the last dim, for a constant target `p`.
+    """Per-row `sum_j p_j (log p_j - log q_j)`, `q = softmax_j(rows @ keysᵀ + bias)`, for a constant `p`.
 
-    The gradient w.r.t. `z` is `(softmax(z) - p) * grad` (0 on masked keys, where both are 0), so
-    only `log_softmax(z)` and `p` are saved instead of autograd's chain of `[.., C, T]` temporaries.
+    The gradient w.r.t. the logits is `(q - p) * grad` (0 on masked keys, where both are 0), so only
+    `log q` and `p` are kept, not autograd's chain of `[N, C, T]` temporaries.
     """
 
     @staticmethod
-    def forward(ctx: Any, z: Tensor, p: Tensor, p_log_p: Tensor) -> Tensor:
-        log_q = z.log_softmax(-1)  # [N, C, T]
-        ctx.save_for_backward(log_q, p)
-        return p_log_p - torch.linalg.vecdot(p, log_q)  # [N, C]
+    def forward(ctx: Any, rows: Tensor, keys: Tensor, bias: Tensor, p: Tensor, p_log_p: Tensor) -> Tensor:
+        # rows [N, C, d], keys [N, T, d], bias [N, 1, T], p [N, C, T], p_log_p [N, C]
+        log_q = torch.baddbmm(bias, rows, keys.transpose(1, 2))  # [N, C, T] logits
+        torch.log_softmax(log_q, -1, out=log_q)  # in place
+        ctx.save_for_backward(rows, keys, log_q, p)
+        return p_log_p - torch.einsum("nct,nct->nc", p, log_q)  # [N, C]
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        log_q, p = ctx.saved_tensors
-        return log_q.exp().sub_(p).mul_(grad.unsqueeze(-1)), None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        rows, keys, log_q, p = ctx.saved_tensors
+        dz = log_q.exp().sub_(p).mul_(grad.unsqueeze(-1))  # [N, C, T]
+        d_rows = dz @ keys if ctx.needs_input_grad[0] else None
+        d_keys = dz.transpose(1, 2) @ rows if ctx.needs_input_grad[1] else None
+        return d_rows, d_keys, None, None, None
 
 
 class RelationKVLoss(nn.Module):
@@ -134,17 +139,17 @@ class RelationKVLoss(nn.Module):
         """
         L, B, R, T = s.shape[:4]
         bias = torch.zeros(keys.shape, device=s.device).masked_fill(~keys, _FILL)  # [B, T]
-        bias = bias[None, :, None, None, :].expand(L, B, R, 1, T).flatten(0, 2)  # [L*B*R, 1, T]
+        bias = bias[None, :, None, None, :].expand(L, B, R, 1, T).flatten(0, 2)  # [N, 1, T], N = L*B*R
 
-        def logits(x: Tensor, rows: Tensor) -> Tensor:  # [L*B*R, C, T], masked keys at _FILL
-            scale = 1.0 / (math.sqrt(x.shape[-1]) * self.temperature)  # on the rows: cheaper than on [C, T]
-            return torch.baddbmm(bias, (rows * scale).flatten(0, 2), x.flatten(0, 2).transpose(1, 2))
+        def scaled(rows: Tensor, d: int) -> Tensor:  # [N, C, d]; the scale costs less here than on [C, T]
+            return (rows / (math.sqrt(d) * self.temperature)).flatten(0, 2)
 
         with torch.no_grad():  # the teacher is a constant target
-            log_p = logits(t, t_rows).log_softmax(-1)  # [L*B*R, C, T] over keys
+            log_p = torch.baddbmm(bias, scaled(t_rows, t.shape[-1]), t.flatten(0, 2).transpose(1, 2))
+            torch.log_softmax(log_p, -1, out=log_p)  # [N, C, T] in place, over keys
             p = log_p.exp()  # exactly 0 on masked keys
-            p_log_p = torch.linalg.vecdot(p, log_p)  # [L*B*R, C]
-        kl = _RowKL.apply(logits(s, s_rows), p, p_log_p)  # [L*B*R, C]
+            p_log_p = torch.einsum("nct,nct->nc", p, log_p)  # [N, C]
+        kl = _RowKL.apply(scaled(s_rows, s.shape[-1]), s.flatten(0, 2), bias, p, p_log_p)  # [N, C]
         return kl.unflatten(0, (L, B, R)).mean(2)  # [L, B, C]
 
     def forward(

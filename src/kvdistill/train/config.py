@@ -125,6 +125,8 @@ class KVDistillConfig(TrainingArguments):
     # ---- teachers
     fusion: str = option("loss_sum", f"Multi-teacher fusion: {FUSIONS}.")
     teacher_offload: bool = option(False, "Keep teachers on CPU; move one at a time to the device for its forward.")
+    teacher_cache: bool = option(False, "Keep every training record's teacher outputs in CPU memory, so each "
+                                 "teacher runs once per record (many epochs over a small dataset).")
     teacher_control: str = option("none", f"Control run {TEACHER_CONTROLS}: untrained = random-init copies of the "
                                   "teachers; shuffled = each sample gets another sample's teacher (a derangement "
                                   "within the batch). A gain must beat both to count as knowledge transfer.")

@@ -186,8 +186,12 @@ class KVDistillTrainer(Trainer):
         perm = derangement(B, self._step_generator()).to(device) if args.teacher_control == "shuffled" else None
         slots = (inputs["segment_ids"] == REASONING).sum(1)  # [B] the student's reasoning tokens
         compress = args.student_input != "full" and args.teacher_compression != "none"
+        index = inputs["index"] if perm is None else inputs["index"][perm]  # whose text each teacher reads
+        need_kv = args.kv_weight > 0 or args.codi_weight > 0
         kvs, logits = {}, {}
         for t in self.teachers:
+            if not need_kv and not t.shares_student_tokens:
+                continue  # logit KD only: a teacher with another tokenizer has nothing to give
             src = teacher_inputs.get(t.name, inputs)
             ids, mask, seg = (src[k] if perm is None else src[k][perm] for k in ("input_ids", "attention_mask",
                                                                                   "segment_ids"))
@@ -195,6 +199,7 @@ class KVDistillTrainer(Trainer):
             kvs[t.name], out_logits = self.teachers.forward(
                 t.name, ids, mask, seg,
                 key_space=args.key_space, output_hidden_states=args.codi_weight > 0, return_logits=want_logits,
+                index=index,
             )
             if compress:
                 kvs[t.name], _ = compress_cache(kvs[t.name], slots, method=args.teacher_compression,
