@@ -194,9 +194,11 @@ def resolve_variants(spec: Any) -> list[Variant]:
             )
         name = str(entry["name"])
         start = Variant(name, name)
-        if entry.get("base") is not None:
+        if entry.get("base") is not None:  # same name: the built-in with other settings, controls kept
             base = _builtin(str(entry["base"]))
-            start = Variant(name, f"{base.label} + {name}", dict(base.overrides), base.reference, [])
+            same = base.name == name
+            start = Variant(name, base.label if same else f"{base.label} + {name}", dict(base.overrides),
+                            base.reference, base.controls if same else [])
         elif name in BUILTIN_VARIANTS and not entry.get("overrides"):
             start = _builtin(name)
         start.overrides.update(entry.get("overrides") or {})

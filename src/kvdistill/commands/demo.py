@@ -1,16 +1,23 @@
-"""`kvdistill demo`: the whole method end to end on a laptop CPU, offline.
+"""`kvdistill demo`: distillation in a regime where it can matter, end to end on a laptop CPU, offline.
 
-1. generate GSM8K-format arithmetic problems (`kvdistill gen-data`)
-2. build a character-level tokenizer and three random-init models (two teachers of different
-   architectures, one smaller student) and train the teachers (`kvdistill train`, kv_weight 0)
-3. CKA layer maps student <- each teacher (`kvdistill layer-map`)
-4. train the student twice from the same init and data order: SFT only, and SFT + multi-teacher
-   KV distillation with full 4D alignment (`kvdistill train`)
-5. evaluate everything (`kvdistill eval`) and write `report.md` + plots
+1. data: a pool of generated 2-step arithmetic word problems for the teachers; the student's
+   small labelled subset of it; a dev split (teacher gate, learning curve, settings) and a
+   test split (the only one reported)
+2. models: one BPE tokenizer (digits split) for the student and teacher_qwen2, another BPE
+   (whole numbers as tokens) for teacher_llama, so time alignment is exercised for real;
+   random-init models of three shapes
+3. teachers trained on the whole pool, one process each; the quality gate stops the demo when
+   a teacher is below `gate` accuracy on dev
+4. the student's SFT learning curve on its labelled subset (dev accuracy vs steps) ->
+   `sft_curve.png`; the student budget is the first step on the curve's plateau
+5. students at that budget: SFT, logit KD (the positive control) and the KV signal
+   (`configs/demo/student_kv.yaml`), all from the same init and data order
+6. test evaluation -> `report.md`
 
-The demo only picks tiny sizes: every step is a public command with a config from
-`configs/demo/`, exactly what a GPU user runs with real model names. Finished steps are
-skipped on a second run (teachers are cached in the output directory).
+Every step is a public command with a config from `configs/demo/`, exactly what a GPU user runs
+with real model names. Finished steps are skipped on a second run (teachers are cached).
+`kvdistill ablate --config configs/demo/evidence.yaml` runs the full evidence ablation on the
+assets this writes.
 """
 
 from __future__ import annotations
@@ -18,34 +25,87 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvdistill.config import option, parse_config
+from kvdistill.config import ConfigError, option, parse_config
 from kvdistill.data import format_example
-from kvdistill.io import REPO_ROOT, write_text_atomic
+from kvdistill.io import REPO_ROOT, write_json_atomic, write_text_atomic
+from kvdistill.synthetic import generate_problems, write_jsonl
 
 CONFIG_DIR = REPO_ROOT / "configs" / "demo"
-
-# architectures of the demo: teachers differ from the student (and each other) on L, H_kv, D
+TASK = {"min_steps": 2, "max_steps": 2, "max_value": 20, "ops": ("add", "sub")}
+# name -> (model type, tokenizer, sizes). The teachers differ from the student on L, H_kv, D and
+# (teacher_llama) the tokenizer; they know more because they learn from the whole pool.
 ARCHS = {
-    "teacher_qwen2": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                                    num_attention_heads=4, num_key_value_heads=2)),   # L4, 2 x 32
-    "teacher_llama": ("llama", dict(hidden_size=96, intermediate_size=256, num_hidden_layers=5,
-                                    num_attention_heads=4, num_key_value_heads=4)),   # L5, 4 x 24
-    "student": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1)),          # L2, 1 x 32
+    "teacher_qwen2": ("qwen2", "bpe", dict(hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                                           num_attention_heads=4, num_key_value_heads=2)),   # L3, 2 x 24
+    "teacher_llama": ("llama", "bpe_numbers", dict(hidden_size=96, intermediate_size=192, num_hidden_layers=4,
+                                                   num_attention_heads=4, num_key_value_heads=4)),  # L4, 4 x 24
+    "student": ("qwen2", "bpe", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1)),      # L2, 1 x 32
 }
-# (n_train, n_test, teacher steps, student steps, eval items)
-SIZES = {"full": (4000, 400, 800, 500, 400), "quick": (600, 60, 40, 30, 60)}
+TEACHERS = ("teacher_qwen2", "teacher_llama")
+STUDENTS = {  # name -> (config in configs/demo/, extra flags)
+    "student_sft": ("student.yaml", []),
+    "student_logit_kd": ("student.yaml", ["--logit_kd_weight", "1.0"]),
+    "student_kv": ("student_kv.yaml", []),
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    pool: int  # teacher training problems
+    labelled: int  # the student's labelled subset of the pool
+    dev: int
+    test: int
+    teacher_steps: int
+    curve_steps: int  # length of the SFT learning curve
+    curve_every: int  # dev accuracy every N steps
+    curve_items: int  # dev items per curve point
+    gate: float  # teachers' minimum dev accuracy
+
+
+SIZES = {
+    "full": Sizes(pool=20000, labelled=500, dev=500, test=1000, teacher_steps=2500, curve_steps=1500,
+                  curve_every=250, curve_items=300, gate=0.90),
+    "quick": Sizes(pool=400, labelled=64, dev=40, test=60, teacher_steps=30, curve_steps=30, curve_every=15,
+                   curve_items=20, gate=0.0),
+}
+
+
+@dataclass
+class DemoConfig:
+    """Options of `kvdistill demo`."""
+
+    output_dir: str = option("outputs/demo", "Output directory.", aliases=["--out"])
+    quick: bool = option(False, "~2-minute smoke version (tiny data and steps, no quality gate).")
+    seed: int = option(0, "Seed of data, inits and training.")
+    workers: int = option(2, "Trainings run at once, one process each (one per CPU core).")
+    gate: float | None = option(None, "Teachers' minimum dev accuracy (default 0.90; quick: none).")
+    fresh: bool = option(False, "Delete the output directory first.")
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError("workers must be >= 1")
 
 
 def _log(msg: str) -> None:
     print(f"\n=== {msg}", flush=True)
+
+
+def config_path(name: str) -> Path:
+    path = CONFIG_DIR / name
+    if not path.exists():
+        raise ConfigError(f"demo config {path} is missing (the demo runs from a source checkout)")
+    return path
 
 
 def _run(command: str, *argv: str) -> None:
@@ -56,15 +116,46 @@ def _run(command: str, *argv: str) -> None:
         raise SystemExit(f"kvdistill {command} failed with exit code {rc}")
 
 
-def config_path(name: str) -> Path:
-    path = CONFIG_DIR / name
-    if not path.exists():
-        raise FileNotFoundError(f"demo config {path} is missing (the demo runs from a source checkout)")
-    return path
+def run_parallel(jobs: dict[str, list[str]], workers: int, logs: Path) -> None:
+    """Run `kvdistill ...` commands `{name: argv}` as subprocesses, `workers` at a time, one torch
+    thread each (so a run's numbers do not depend on how many run beside it); output in `logs/`."""
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    pending, running = list(jobs.items()), {}
+    while pending or running:
+        while pending and len(running) < workers:
+            name, argv = pending.pop(0)
+            print(f"$ kvdistill {' '.join(argv)}   (log: {logs / name}.log)", flush=True)
+            fh = (logs / f"{name}.log").open("w")
+            running[name] = (subprocess.Popen([sys.executable, "-m", "kvdistill.cli", *argv], stdout=fh,
+                                              stderr=subprocess.STDOUT, env=env), fh)
+        time.sleep(0.5)
+        for name, (proc, fh) in list(running.items()):
+            if proc.poll() is not None:
+                fh.close()
+                del running[name]
+                if proc.returncode:
+                    tail = (logs / f"{name}.log").read_text().splitlines()[-15:]
+                    raise SystemExit(f"{name} failed (exit {proc.returncode}); last lines of its log:\n"
+                                     + "\n".join(tail))
+                print(f"    {name}: done", flush=True)
 
 
-def build_models(out: Path, train_texts: list[str], seed: int = 0) -> dict[str, Path]:
-    """A small BPE tokenizer (digits split into single tokens) and random-init models, saved."""
+def prepare_data(data: Path, sizes: Sizes, seed: int) -> None:
+    """teacher_pool / train (the student's labelled subset of the pool) / dev / test jsonl, disjoint
+    questions between the pool and the held-out splits."""
+    if (data / "test.jsonl").exists():
+        return
+    pool = generate_problems(sizes.pool, seed, **TASK)
+    held = generate_problems(sizes.dev + sizes.test, seed + 1_000_003, exclude=[r["question"] for r in pool], **TASK)
+    write_jsonl(pool, data / "teacher_pool.jsonl")
+    write_jsonl(pool[: sizes.labelled], data / "train.jsonl")
+    write_jsonl(held[: sizes.dev], data / "dev.jsonl")
+    write_jsonl(held[sizes.dev :], data / "test.jsonl")
+
+
+def build_models(out: Path, data: Path, seed: int = 0) -> dict[str, Path]:
+    """Two BPE tokenizers (digits split; whole numbers) and random-init models of three shapes, saved."""
     from transformers import AutoConfig
 
     from kvdistill.models import build_tokenizer, save_random_model
@@ -72,12 +163,14 @@ def build_models(out: Path, train_texts: list[str], seed: int = 0) -> dict[str, 
     paths = {name: out / "init" / name for name in ARCHS}
     if all((p / "config.json").exists() for p in paths.values()):
         return paths
-    tok = build_tokenizer(train_texts, vocab_size=384, split_digits=True)
-    for i, (name, (model_type, sizes)) in enumerate(ARCHS.items()):
-        cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), max_position_embeddings=512,
+    texts = [format_example(json.loads(x)).text for x in (data / "teacher_pool.jsonl").read_text().splitlines()[:4000]]
+    toks = {"bpe": build_tokenizer(texts, vocab_size=384, split_digits=True),
+            "bpe_numbers": build_tokenizer(texts, vocab_size=1000)}
+    for i, (name, (model_type, tok, sizes)) in enumerate(ARCHS.items()):
+        cfg = AutoConfig.for_model(model_type, vocab_size=len(toks[tok]), max_position_embeddings=512,
                                    tie_word_embeddings=True, **sizes)
         torch.manual_seed(seed + i)
-        save_random_model(cfg, tok, paths[name])
+        save_random_model(cfg, toks[tok], paths[name])
     return paths
 
 
@@ -85,97 +178,129 @@ def _summary(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def write_report(out: Path, rows: list[dict]) -> Path:
-    """`report.md` with the results table and the plots, plus `accuracy.png`."""
+def _eval_argv(model: Path, data: Path, split: str, limit: int, out: Path) -> list[str]:
+    return ["eval", "--model", str(model), "--data", str(data), "--split", split, "--limit", str(limit),
+            "--batch_size", "100", "--max_new_tokens", "48", "--max_length", "256", "--output_dir", str(out),
+            "--no_progress"]
+
+
+def curve_points(metrics: Path) -> list[tuple[int, float]]:
+    """`(step, dev accuracy)` of a run's accuracy curve (`eval_accuracy` rows of metrics.jsonl)."""
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+    return [(int(r["step"]), float(r["eval_accuracy"])) for r in rows if "eval_accuracy" in r]
+
+
+def plateau_step(points: list[tuple[int, float]], share: float = 0.95) -> int:
+    """The first step whose dev accuracy reaches `share` of the curve's best: the student budget."""
+    best = max(a for _, a in points)
+    return next(s for s, a in points if a >= share * best)
+
+
+def write_report(out: Path, rows: list[dict], curve: dict) -> Path:
+    """`report.md`: the results table, where SFT stands on its curve, the plots."""
     from kvdistill.plots import plot_bars_with_errors
 
     plot_bars_with_errors(  # error bars: half the 95 % Wilson interval
         [r["model"] for r in rows], [r["accuracy"] for r in rows],
         [(r["ci_high"] - r["ci_low"]) / 2 for r in rows], out / "accuracy.png",
-        ylabel="held-out accuracy", title="teachers vs students",
+        ylabel="test accuracy", title="teachers vs students",
     )
     lines = [
         "# kvdistill demo report", "",
-        "Held-out accuracy on generated multi-step arithmetic problems (greedy decoding, exact match",
-        "of the final number), 95 % Wilson interval; `cos-sim` is the final student-vs-aligned-teacher",
-        "key/value cosine similarity of the distillation run. All numbers are read from the eval files.", "",
-        "| model | params | accuracy | 95 % CI | perplexity | final cos-sim |",
-        "|---|---:|---:|---:|---:|---:|",
+        "Test accuracy on generated 2-step arithmetic problems (greedy decoding, exact match of the final",
+        "number), 95 % Wilson interval. Teachers learned from the whole pool; every student from the same",
+        f"{curve['labelled']} labelled problems, the same init and data order, for {curve['budget']} steps. "
+        "All numbers are read from the eval files.", "",
+        "| model | params | accuracy | 95 % CI | final agreement |",
+        "|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        cos = "" if r.get("cos_sim") is None else f"{r['cos_sim']:.3f}"
-        ppl = "" if r.get("perplexity") is None else f"{r['perplexity']:.2f}"
+        agree = r.get("agreement") or ""
         lines.append(f"| {r['model']} | {r['params']:,} | {r['accuracy']:.3f} | [{r['ci_low']:.3f}, "
-                     f"{r['ci_high']:.3f}] | {ppl} | {cos} |")
-    lines += ["", "![accuracy](accuracy.png)", ""]
-    for png in sorted(out.glob("maps/*.png")):
-        lines += [f"![CKA {png.stem}]({png.relative_to(out)})"]
-    for run in ("student_sft", "student_kv"):
-        for png in ("curves_loss.png", "curves_cos_sim.png", "cos_sim_layers.png"):
+                     f"{r['ci_high']:.3f}] | {agree} |")
+    lines += [
+        "", f"**SFT learning curve** (dev accuracy, `sft_curve.png`): best {curve['best']:.3f} at step "
+        f"{curve['best_step']}; the budget {curve['budget']} is the first step at ≥ 95 % of the best "
+        f"({curve['at_budget']:.3f}), so SFT stands on its plateau and a gain is not a speed-up.", "",
+        "![accuracy](accuracy.png)", "![SFT curve](sft_curve.png)", "",
+    ]
+    for run in STUDENTS:
+        for png in ("curves_loss.png", "curves_cos_sim.png"):
             if (out / "runs" / run / png).exists():
                 lines.append(f"![{run} {png}](runs/{run}/{png})")
     return write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
 
 
-def run_demo(out: Path, quick: bool = False, seed: int = 0, threads: int | None = None) -> Path:
+def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, gate: float | None = None) -> Path:
     """Run every stage (skipping finished ones) and return the report path."""
-    if threads:
-        torch.set_num_threads(threads)
-    n_train, n_test, teacher_steps, student_steps, n_eval = SIZES["quick" if quick else "full"]
+    from kvdistill.plots import plot_run_curves
+
+    sizes = SIZES["quick" if quick else "full"]
+    gate = sizes.gate if gate is None else gate
     t0 = time.time()
-    out.mkdir(parents=True, exist_ok=True)
     data = out / "data"
+    _log(f"[1/6] data: pool {sizes.pool}, labelled {sizes.labelled}, dev {sizes.dev}, test {sizes.test} -> {data}")
+    prepare_data(data, sizes, seed)
+    _log("[2/6] tokenizers and random-init models")
+    init = build_models(out, data, seed)
 
-    _log(f"[1/5] data: {n_train} train / {n_test} test problems -> {data}")
-    if not (data / "test.jsonl").exists():
-        _run("gen-data", "--output_dir", str(data), "--n-train", str(n_train), "--n-test", str(n_test),
-             "--seed", str(seed), "--min-steps", "2", "--max-steps", "2", "--max-value", "20")
-    train_texts = [format_example(json.loads(x)).text for x in (data / "train.jsonl").read_text().splitlines()]
-    init = build_models(out, train_texts, seed)
-
-    teachers = {}
-    for i, name in enumerate(("teacher_qwen2", "teacher_llama")):
-        _log(f"[2/5] teacher {i + 1}/2: {name} ({teacher_steps} steps, SFT)")
-        teachers[name] = out / "teachers" / name
-        if not (teachers[name] / "train_summary.json").exists():
-            _run("train", "--config", str(config_path("teacher.yaml")), "--student", str(init[name]),
-                 "--data", str(data), "--output_dir", str(teachers[name]), "--max_steps", str(teacher_steps),
-                 "--seed", str(seed))
-
-    _log("[3/5] CKA layer maps: student <- each teacher")
-    maps = {}
+    teachers = {name: out / "teachers" / name for name in TEACHERS}
+    _log(f"[3/6] teachers on the pool ({sizes.teacher_steps} steps each), quality gate {gate:.2f} on dev")
+    run_parallel({name: ["train", "--config", str(config_path("teacher.yaml")), "--student", str(init[name]),
+                         "--data", str(data), "--data_split", "teacher_pool", "--output_dir", str(path),
+                         "--max_steps", str(sizes.teacher_steps), "--seed", str(seed)]
+                  for name, path in teachers.items() if not (path / "train_summary.json").exists()},
+                 workers, out / "logs")
     for name, path in teachers.items():
-        maps[name] = out / "maps" / f"{name}.json"
-        if not maps[name].exists():
-            _run("layer-map", "--teacher", str(path), "--student", str(init["student"]), "--data", str(data),
-                 "--samples", "32" if quick else "100", "--top-k", "2", "--max-length", "256",
-                 "--output_file", str(maps[name]), "--no-progress")
+        ev = out / "eval_dev" / name
+        if not (ev / "summary.json").exists():
+            _run(*_eval_argv(path, data, "dev", sizes.dev, ev))
+        acc = _summary(ev / "summary.json")["accuracy"]
+        if acc < gate:
+            raise SystemExit(f"quality gate: teacher {name} reached {acc:.3f} on dev, {gate - acc:.3f} below the "
+                             f"{gate:.2f} gate; train it longer (delete {path} and raise its steps) or lower --gate")
+        print(f"    {name}: dev accuracy {acc:.3f} (gate {gate:.2f})")
 
-    teacher_list = "[" + ", ".join(f"{{path: {p}, layer_map: {maps[n]}}}" for n, p in teachers.items()) + "]"
-    students = {"student_sft": "student_sft.yaml", "student_kv": "student_kv.yaml"}
-    for i, (name, cfg_name) in enumerate(students.items()):
-        _log(f"[4/5] student {i + 1}/2: {name} ({student_steps} steps)")
-        run = out / "runs" / name
-        if not (run / "train_summary.json").exists():
-            _run("train", "--config", str(config_path(cfg_name)), "--student", str(init["student"]),
-                 "--teachers", teacher_list, "--data", str(data), "--output_dir", str(run),
-                 "--max_steps", str(student_steps), "--seed", str(seed))
+    _log(f"[4/6] SFT learning curve of the student on its {sizes.labelled} labelled problems")
+    curve_run = out / "runs" / "sft_curve"
+    common = ["--student", str(init["student"]), "--data", str(data), "--seed", str(seed)]
+    if not (curve_run / "train_summary.json").exists():
+        _run("train", "--config", str(config_path("student.yaml")), *common, "--output_dir", str(curve_run),
+             "--max_steps", str(sizes.curve_steps), "--accuracy_eval_steps", str(sizes.curve_every),
+             "--accuracy_eval_limit", str(sizes.curve_items))
+    points = curve_points(curve_run / "metrics.jsonl")
+    budget = plateau_step(points)
+    best_step, best = max(points, key=lambda p: p[1])
+    steps, accs = zip(*points)
+    plot_run_curves({"dev accuracy": {"SFT": [(list(steps), list(accs))]}}, out / "sft_curve.png",
+                    title=f"SFT on {sizes.labelled} labelled problems; budget {budget}")
+    curve = {"labelled": sizes.labelled, "budget": budget, "best": best, "best_step": best_step,
+             "at_budget": dict(points)[budget], "points": points}
+    write_json_atomic(out / "sft_curve.json", curve)
+    print(f"    budget: {budget} steps (dev {dict(points)[budget]:.3f}; best {best:.3f} at step {best_step})")
 
-    _log(f"[5/5] evaluation on {n_eval} held-out problems")
-    models = {**{n: teachers[n] for n in teachers}, **{n: out / "runs" / n for n in students}}
+    _log(f"[5/6] students at {budget} steps: SFT, logit KD, KV")
+    teacher_list = "[" + ", ".join(f"{{path: {p}}}" for p in teachers.values()) + "]"
+    runs = {name: out / "runs" / name for name in STUDENTS}
+    run_parallel({name: ["train", "--config", str(config_path(cfg_name)), *common, "--teachers", teacher_list,
+                         "--output_dir", str(runs[name]), "--max_steps", str(budget), *extra]
+                  for name, (cfg_name, extra) in STUDENTS.items() if not (runs[name] / "train_summary.json").exists()},
+                 workers, out / "logs")
+
+    _log(f"[6/6] test evaluation on {sizes.test} held-out problems")
+    models = {**teachers, **runs}
     rows = []
     for name, path in models.items():
         ev = out / "eval" / name
         if not (ev / "summary.json").exists():
-            _run("eval", "--model", str(path), "--data", str(data), "--split", "test", "--limit", str(n_eval),
-                 "--batch-size", "50", "--max-new-tokens", "48", "--max-length", "256", "--output_dir", str(ev),
-                 "--no-progress")
+            _run(*_eval_argv(path, data, "test", sizes.test, ev))
         s = _summary(ev / "summary.json")
         final = _summary(path / "train_summary.json").get("final", {})
+        agree = (f"cos {final['cos_sim']:.3f}" if final.get("cos_sim") is not None else
+                 f"relation KL {final['relation_kl']:.4f}" if final.get("relation_kl") is not None else None)
         rows.append({"model": name, "params": _params(path), "accuracy": s["accuracy"], "ci_low": s["ci_low"],
-                     "ci_high": s["ci_high"], "perplexity": s.get("perplexity"),
-                     "cos_sim": final.get("cos_sim") if name == "student_kv" else None})
-    report = write_report(out, rows)
+                     "ci_high": s["ci_high"], "agreement": agree if name == "student_kv" else None})
+    report = write_report(out, rows, curve)
     print("\n" + report.read_text().split("\n\n![")[0])
     print(f"\nreport: {report}  ({time.time() - t0:.0f} s)")
     return report
@@ -188,21 +313,10 @@ def _params(path: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
 
 
-@dataclass
-class DemoConfig:
-    """Options of `kvdistill demo`."""
-
-    output_dir: str = option("outputs/demo", "Output directory.", aliases=["--out"])
-    quick: bool = option(False, "~1-minute smoke version (tiny data and steps).")
-    seed: int = option(0, "Seed of data, inits and training.")
-    threads: int | None = option(None, "torch threads (default: torch's choice).")
-    fresh: bool = option(False, "Delete the output directory first.")
-
-
 def main(argv: list[str]) -> int:
     cfg = parse_config(DemoConfig, argv, "kvdistill demo", __doc__)
     out = Path(cfg.output_dir)
     if cfg.fresh and out.exists():
         shutil.rmtree(out)
-    run_demo(out, quick=cfg.quick, seed=cfg.seed, threads=cfg.threads)
+    run_demo(out, quick=cfg.quick, seed=cfg.seed, workers=cfg.workers, gate=cfg.gate)
     return 0
