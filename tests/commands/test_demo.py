@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from kvdistill.commands.demo import curve_points, main as demo_main, plateau_step
+from kvdistill.commands.demo import curve_points, plateau_step
+from kvdistill.commands.demo import main as demo_main
 
 
 def test_plateau_step_is_the_first_point_near_the_best():
