@@ -319,3 +319,26 @@ def test_reference_must_be_run(tmp_path):
     abl = _write_yaml(tmp_path / "a.yaml", {"base_config": "train.yaml", "variants": ["baseline", "privileged_kv"]})
     with pytest.raises(AblationError, match="sft_no_rationale"):
         load_ablation_config(abl)
+
+
+def test_parallel_workers_give_the_same_numbers_as_one_process(tiny_world, tmp_path):
+    """Two worker processes, one thread per run: each run's accuracy and losses equal the in-process run's."""
+    m = tiny_world.models
+    _write_yaml(tmp_path / "train.yaml", {
+        "student": str(m["student"]), "teachers": [{"path": str(m["qwen2_teacher"])}], "data": str(tiny_world.data_dir),
+        "max_length": 160, "max_steps": 3, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
+        "learning_rate": 1e-3, "kv_warmup_steps": 0, "logging_steps": 1, "save_strategy": "no", "use_cpu": True,
+        "disable_tqdm": True, "report_to": "none",
+    })
+    results = {}
+    for workers in (1, 2):
+        abl = _write_yaml(tmp_path / f"a{workers}.yaml", {
+            "base_config": "train.yaml", "output_dir": str(tmp_path / f"w{workers}"), "seeds": [0],
+            "variants": ["baseline", "relation"], "eval": {"limit": 6, "batch_size": 6, "max_new_tokens": 8},
+            "n_resamples": 200, "workers": workers, "threads": 1,
+        })
+        assert main(["--config", str(abl)]) == 0
+        report = json.loads((tmp_path / f"w{workers}" / "ablation.json").read_text())
+        results[workers] = {v: (r["runs"]["0"]["accuracy"], r["runs"]["0"]["ce"]) for v, r in report["variants"].items()}
+        assert report["environments"] and "'torch_threads': 1" in report["environments"][0]
+    assert results[1] == results[2]

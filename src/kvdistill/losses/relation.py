@@ -32,39 +32,44 @@ from torch.utils.checkpoint import checkpoint
 from kvdistill.cache import PAD, SEGMENT_NAMES
 from kvdistill.losses.kv import REDUCTIONS, token_weights
 
-# masked logits: finite (0 * fill is 0, no NaN; a row without keys is uniform) and still finite after
-# adding real logits; exp(fill - max) is exactly 0
+# bias of masked keys: finite, so 0 * _FILL is 0 (no NaN) and a row without keys is uniform, and still
+# finite after adding real logits; exp(_FILL - max) is exactly 0
 _FILL = torch.finfo(torch.float32).min / 2
 
 
 class _RowKL(torch.autograd.Function):
-    """Per-row `KL(P ‖ Q) = sum_j P_j (log P_j - log Q_j)` of `P = softmax(t_rows t_keysᵀ + bias)` (teacher,
-    constant) and `Q = softmax(s_rows s_keysᵀ + bias)` (student), over the last dim (keys).
+    """Per-row `KL(P ‖ Q) = sum_j P_j (log P_j - log Q_j)` over the keys j of the constant teacher
+    `P = softmax(t_rows t_keysᵀ + bias)` and the student `Q = softmax(s_rows s_keysᵀ + bias)`.
 
-    The gradient w.r.t. the student logits is `(Q - P) * grad` (0 on masked keys, where both are 0), so
-    only `log Q` and `P` are kept, not autograd's chain of `[N, C, T]` temporaries, and the two sides
-    share one logits buffer.
+    The gradient w.r.t. the student logits is `(Q - P) * grad` (0 on masked keys, where both are 0).
+    Only `Q - P` is kept for backward (not autograd's chain of `[N, C, T]` temporaries), and both
+    sides share one logits buffer.
     """
 
     @staticmethod
     def forward(ctx: Any, s_rows: Tensor, s_keys: Tensor, t_rows: Tensor, t_keys: Tensor, bias: Tensor) -> Tensor:
-        # rows [N, C, d], keys [N, T, d] (d per side), bias [N, 1, T]
-        z = torch.baddbmm(bias, t_rows, t_keys.transpose(1, 2))  # [N, C, T] teacher logits
+        # rows [N, C, d], keys [N, T, d] (d per side), bias [N, T, 1]: 0 or _FILL per key
+
+        def logits(rows: Tensor, keys: Tensor, out: Tensor | None = None) -> Tensor:  # [N, C, T]
+            rows = torch.cat([rows, torch.ones_like(rows[..., :1])], -1)  # the bias as one more feature:
+            return torch.bmm(rows, torch.cat([keys, bias], -1).transpose(1, 2), out=out)  # cheaper than baddbmm
+
+        z = logits(t_rows, t_keys)  # [N, C, T] teacher
         p = z.softmax(-1)  # [N, C, T]; exactly 0 on masked keys
         p_log_p = torch.einsum("nct,nct->nc", p, torch.log_softmax(z, -1, out=z))  # [N, C]
-        torch.baddbmm(bias, s_rows, s_keys.transpose(1, 2), out=z)  # student logits, same buffer
-        log_q = torch.log_softmax(z, -1, out=z)  # [N, C, T] in place
-        ctx.save_for_backward(s_rows, s_keys, log_q, p)
-        return p_log_p - torch.einsum("nct,nct->nc", p, log_q)  # [N, C]
+        log_q = torch.log_softmax(logits(s_rows, s_keys, out=z), -1, out=z)  # [N, C, T] student, in place
+        kl = p_log_p - torch.einsum("nct,nct->nc", p, log_q)  # [N, C]
+        ctx.save_for_backward(s_rows, s_keys, torch.softmax(log_q, -1, out=z).sub_(p))  # Q - P, in place
+        return kl
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        s_rows, s_keys, log_q, p = ctx.saved_tensors
-        dz = log_q.softmax(-1).sub_(p).mul_(grad.unsqueeze(-1))  # [N, C, T]; softmax: faster than exp
-        # dz @ s_keys and dzᵀ @ s_rows, written transposed: bmm is faster with dz as the right operand
-        d_rows = (s_keys.transpose(1, 2) @ dz.transpose(1, 2)).transpose(1, 2)  # [N, C, d]
-        d_keys = (s_rows.transpose(1, 2) @ dz).transpose(1, 2)  # [N, T, d]
+        s_rows, s_keys, dq = ctx.saved_tensors  # dq = Q - P [N, C, T]; the logits' grad is dq * g
+        g = grad.unsqueeze(-1)  # [N, C, 1]
+        # g scales rows, so it goes on the small operands; bmm is faster with dq as the right operand
+        d_rows = (s_keys.transpose(1, 2) @ dq.transpose(1, 2)).transpose(1, 2) * g  # [N, C, d] dq g s_keys
+        d_keys = ((s_rows * g).transpose(1, 2) @ dq).transpose(1, 2)  # [N, T, d] (dq g)ᵀ s_rows
         return d_rows, d_keys, None, None, None
 
 
@@ -73,8 +78,8 @@ class RelationKVLoss(nn.Module):
 
     Call as `loss, metrics = fn(student, teacher, mask, segment_ids)`.
 
-    Memory: unchunked, the peak is about `4 bytes * c * L * B * R * T^2`, c ~ 8 fp32 `[L, B, R, T, T]`
-    temporaries (logits, log-probs, teacher probs, KL terms), i.e. O(L·B·R·T²). With
+    Memory: unchunked, the peak is about `4 bytes * c * L * B * R * T^2`, c ~ 2 fp32 `[L, B, R, T, T]`
+    buffers (teacher probs, shared logits; one of them, `Q - P`, is kept for backward), i.e. O(L·B·R·T²). With
     `chunk_size=C`, query rows are processed C at a time (each softmax still sees all T keys) under
     activation checkpointing, so the peak is O(L·B·R·C·T) plus the inputs; the result is the same.
 
@@ -145,10 +150,10 @@ class RelationKVLoss(nn.Module):
         """
         L, B, R, T = s.shape[:4]
         bias = torch.zeros(keys.shape, device=s.device).masked_fill(~keys, _FILL)  # [B, T]
-        bias = bias[None, :, None, None, :].expand(L, B, R, 1, T).flatten(0, 2)  # [N, 1, T], N = L*B*R
+        bias = bias[None, :, None, :, None].expand(L, B, R, T, 1).flatten(0, 2)  # [N, T, 1], N = L*B*R
 
         def scaled(rows: Tensor, d: int) -> Tensor:  # [N, C, d]; the scale costs less here than on [C, T]
-            return (rows / (math.sqrt(d) * self.temperature)).flatten(0, 2)
+            return (rows * (1.0 / (math.sqrt(d) * self.temperature))).flatten(0, 2)
 
         s_rows, t_rows = scaled(s_rows, s.shape[-1]), scaled(t_rows, t.shape[-1])
         kl = _RowKL.apply(s_rows, s.flatten(0, 2), t_rows, t.flatten(0, 2), bias)  # [N, C]
