@@ -44,6 +44,28 @@ def to_jsonable(obj: Any) -> Any:
     return str(obj)
 
 
+def read_json(path: str | os.PathLike, default: Any = None) -> Any:
+    """A JSON file's content, or `default` when the file does not exist."""
+    path = Path(path)
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else default
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The records of a JSON-lines file (missing file: none). A line that does not parse is skipped:
+    a run killed mid-write (e.g. `metrics.jsonl`) leaves a broken last line."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write `text` to `path` through a temporary file and a rename."""
     path = Path(path)

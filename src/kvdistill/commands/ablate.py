@@ -43,7 +43,7 @@ import yaml
 from kvdistill.commands.eval import EvalConfig
 from kvdistill.config import ConfigError, option, parse_config, to_plain
 from kvdistill.evaluate.stats import mean_std, paired_bootstrap, paired_permutation_test, paired_ttest
-from kvdistill.io import write_json_atomic, write_text_atomic
+from kvdistill.io import read_json, read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.report import fmt_mean_std, fmt_num, fmt_p, fmt_signed
 
 # ----------------------------------------------------------------------------- variants
@@ -466,37 +466,13 @@ def run_ablation(
 # ----------------------------------------------------------------------------- reading runs
 
 
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """Rows of a trainer's `metrics.jsonl` (missing file: no rows)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a run killed mid-write leaves a broken last line
-                continue
-    return rows
-
-
 def read_run(rdir: Path) -> dict[str, Any] | None:
     """One finished run: eval summary, per-item correctness by index, train summary, curves."""
-    summary = _read_json(rdir / "eval" / "summary.json")
+    summary = read_json(rdir / "eval" / "summary.json")
     if summary is None:
         return None
-    items: dict[int, bool] = {}
-    items_path = rdir / "eval" / "items.jsonl"
-    if items_path.exists():
-        for line in items_path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                items[int(row["index"])] = bool(row["correct"])
-    train = _read_json(rdir / "train_summary.json") or {}
+    items = {int(row["index"]): bool(row["correct"]) for row in read_jsonl(rdir / "eval" / "items.jsonl")}
+    train = read_json(rdir / "train_summary.json", {})
     final = train.get("final") or {}
     return {
         "accuracy": summary.get("accuracy"),
@@ -511,7 +487,7 @@ def read_run(rdir: Path) -> dict[str, Any] | None:
         "global_step": train.get("global_step"),
         "environment": train.get("environment"),
         "items": items,
-        "metrics": read_metrics(rdir / "metrics.jsonl"),
+        "metrics": read_jsonl(rdir / "metrics.jsonl"),
     }
 
 

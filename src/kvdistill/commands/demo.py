@@ -37,7 +37,7 @@ import torch
 
 from kvdistill.config import ConfigError, option, parse_config
 from kvdistill.data import format_example
-from kvdistill.io import REPO_ROOT, write_json_atomic, write_text_atomic
+from kvdistill.io import REPO_ROOT, read_json, read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.synthetic import generate_problems, write_jsonl
 
 CONFIG_DIR = REPO_ROOT / "configs" / "demo"
@@ -176,10 +176,6 @@ def build_models(out: Path, data: Path, seed: int = 0) -> dict[str, Path]:
     return paths
 
 
-def _summary(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
 def _eval_argv(model: Path, data: Path, split: str, limit: int, out: Path) -> list[str]:
     return ["eval", "--model", str(model), "--data", str(data), "--split", split, "--limit", str(limit),
             "--batch_size", "100", "--max_new_tokens", "48", "--max_length", "256", "--output_dir", str(out),
@@ -188,8 +184,7 @@ def _eval_argv(model: Path, data: Path, split: str, limit: int, out: Path) -> li
 
 def curve_points(metrics: Path) -> list[tuple[int, float]]:
     """`(step, dev accuracy)` of a run's accuracy curve (`eval_accuracy` rows of metrics.jsonl)."""
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
-    return [(int(r["step"]), float(r["eval_accuracy"])) for r in rows if "eval_accuracy" in r]
+    return [(int(r["step"]), float(r["eval_accuracy"])) for r in read_jsonl(metrics) if "eval_accuracy" in r]
 
 
 def plateau_step(points: list[tuple[int, float]], share: float = 0.95) -> int:
@@ -260,7 +255,7 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
         ev = out / "eval_dev" / name
         if not (ev / "summary.json").exists():
             _run(*_eval_argv(path, data, "dev", sizes.dev, ev))
-        acc = _summary(ev / "summary.json")["accuracy"]
+        acc = read_json(ev / "summary.json", {})["accuracy"]
         if acc < gate:
             raise SystemExit(f"quality gate: teacher {name} reached {acc:.3f} on dev, {gate - acc:.3f} below the "
                              f"{gate:.2f} gate; train it longer (delete {path} and raise its steps) or lower --gate")
@@ -299,8 +294,8 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
         ev = out / "eval" / name
         if not (ev / "summary.json").exists():
             _run(*_eval_argv(path, data, "test", sizes.test, ev))
-        s = _summary(ev / "summary.json")
-        final = _summary(path / "train_summary.json").get("final", {})
+        s = read_json(ev / "summary.json", {})
+        final = read_json(path / "train_summary.json", {}).get("final", {})
         agree = (f"cos {final['cos_sim']:.3f}" if final.get("cos_sim") is not None else
                  f"relation KL {final['relation_kl']:.4f}" if final.get("relation_kl") is not None else None)
         rows.append({"model": name, "params": _params(path), "accuracy": s["accuracy"], "ci_low": s["ci_low"],

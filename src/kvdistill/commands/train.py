@@ -16,11 +16,11 @@ from transformers import set_seed
 
 from kvdistill.align.aligner import KVAligner
 from kvdistill.align.layer_map import build_layer_map
-from kvdistill.cache import extract_kv
+from kvdistill.cache import SEGMENT_NAMES, extract_kv
 from kvdistill.config import ConfigError
 from kvdistill.data import DistillCollator, TeacherView, load_records
 from kvdistill.fusion import TeacherFusion
-from kvdistill.io import write_json_atomic
+from kvdistill.io import read_json, write_json_atomic
 from kvdistill.losses import RelationKVLoss, build_kv_loss
 from kvdistill.models import config_hash, load_model, load_tokenizer, num_layers
 from kvdistill.report import environment
@@ -30,11 +30,16 @@ from kvdistill.train.model import KVDistillModel, LossWeights
 from kvdistill.train.trainer import KVDistillTrainer
 
 logger = logging.getLogger(__name__)
-SEGMENT_KEYS = {"prompt": 0, "reasoning": 1, "answer": 2}
+SEGMENT_KEYS = {name: sid for sid, name in SEGMENT_NAMES.items()}
+
+
+def _segment_weights(cfg: KVDistillConfig) -> dict[int, float]:
+    """`segment_weights` with segment names resolved to ids: `{"prompt": 0}` -> `{0: 0.0}`."""
+    return {SEGMENT_KEYS.get(k, k): float(v) for k, v in (cfg.segment_weights or {}).items()}
 
 
 def _kv_loss(cfg: KVDistillConfig):
-    segment_weights = {SEGMENT_KEYS.get(k, k): float(v) for k, v in (cfg.segment_weights or {}).items()}
+    segment_weights = _segment_weights(cfg)
     if cfg.kv_loss == "relation":
         return RelationKVLoss(relation_heads=cfg.relation_heads, temperature=cfg.relation_temperature,
                               reduction="sum", segment_weights=segment_weights, chunk_size=cfg.relation_chunk_size)
@@ -59,8 +64,8 @@ def _check_relation_heads(cfg: KVDistillConfig, name: str, tkv, skv) -> None:
 
 def _kv_segments(cfg: KVDistillConfig) -> tuple[int, ...]:
     """Segments the KV loss counts tokens in (those not weighted 0)."""
-    w = {SEGMENT_KEYS.get(k, k): float(v) for k, v in (cfg.segment_weights or {}).items()}
-    return tuple(s for s in (0, 1, 2) if w.get(s, 1.0) > 0)
+    w = _segment_weights(cfg)
+    return tuple(s for s in SEGMENT_NAMES if w.get(s, 1.0) > 0)
 
 
 def _layer_map(cfg: KVDistillConfig, spec, student, teacher) -> torch.Tensor:
@@ -80,13 +85,12 @@ def teacher_correctness(cfg: KVDistillConfig, teachers: TeacherSet, records: lis
     (`main_process_first`) and read it, so no two ranks write the file at once.
     """
     from kvdistill.evaluate.scoring import evaluate_model
-    from kvdistill.io import write_text_atomic
 
     state = PartialState()
     cache = Path(cfg.output_dir) / "teacher_correctness.json"
     cols = []
     with state.main_process_first():
-        stored = json.loads(cache.read_text()) if cache.exists() else {}
+        stored = read_json(cache, {})
         for t in teachers:
             key = f"{t.name}:{t.config_hash}:{len(records)}"
             if key not in stored:
@@ -96,8 +100,7 @@ def teacher_correctness(cfg: KVDistillConfig, teachers: TeacherSet, records: lis
                                      template=cfg.prompt_template, perplexity=False)
                 stored[key] = [int(it["correct"]) for it in res["items"]]
                 if state.is_main_process:
-                    cache.parent.mkdir(parents=True, exist_ok=True)
-                    write_text_atomic(cache, json.dumps(stored))
+                    write_json_atomic(cache, stored, indent=None)
             cols.append(torch.tensor(stored[key], dtype=torch.float32))
     return torch.stack(cols, 1)
 

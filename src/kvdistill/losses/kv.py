@@ -60,6 +60,20 @@ def token_weights(
     return w * torch.where(seg == PAD, 0.0, seg_w)
 
 
+@torch.no_grad()
+def segment_losses(per_token: Tensor, real: Tensor, segment_ids: Tensor) -> dict[str, Tensor]:
+    """`{"loss_<segment>": mean of per_token [B, T] over the real tokens [B, T] of that segment}` for
+    each segment present; segment weights are not applied (a metric, not the loss)."""
+    per_token = torch.where(real, per_token, 0.0)
+    out = {}
+    for sid, seg_name in SEGMENT_NAMES.items():  # 3 segments
+        in_seg = (real & (segment_ids == sid)).float()
+        n = in_seg.sum()
+        if n > 0:
+            out[f"loss_{seg_name}"] = (per_token * in_seg).sum() / n
+    return out
+
+
 class KVLoss(nn.Module):
     """Base class: masking, segment weights, target normalisation, reduction and metrics.
 
@@ -183,15 +197,8 @@ class KVLoss(nn.Module):
             "norm_ratio": (ratio * w).sum() / denom,
             "num_tokens": count,
         }
-        if segment_ids is not None:  # per-segment mean loss over real tokens, segment weights not applied
-            real = mask.to(per_token.device).bool()
-            seg = segment_ids.to(per_token.device)
-            per_token = torch.where(real, per_token, 0.0)
-            for sid, seg_name in SEGMENT_NAMES.items():  # 3 segments
-                in_seg = (real & (seg == sid)).float()
-                n = in_seg.sum()
-                if n > 0:
-                    metrics[f"loss_{seg_name}"] = (per_token * in_seg).sum() / n
+        if segment_ids is not None:
+            metrics.update(segment_losses(per_token, mask.to(per_token.device).bool(), segment_ids.to(per_token.device)))
         return metrics
 
 

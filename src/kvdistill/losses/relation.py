@@ -29,8 +29,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from kvdistill.cache import PAD, SEGMENT_NAMES
-from kvdistill.losses.kv import REDUCTIONS, token_weights
+from kvdistill.cache import PAD
+from kvdistill.losses.kv import REDUCTIONS, segment_losses, token_weights
 
 # bias of masked keys: finite, so 0 * _FILL is 0 (no NaN) and a row without keys is uniform, and still
 # finite after adding real logits; exp(_FILL - max) is exactly 0
@@ -221,12 +221,6 @@ class RelationKVLoss(nn.Module):
             "relation_kl_per_layer": per_layer,
             "num_tokens": count,
         }
-        if segment_ids is not None:  # per-segment mean over real tokens, segment weights not applied
-            real = mask.bool() & (segment_ids != PAD)
-            per_token = torch.where(real, kl.mean(0), 0.0)  # [B, T]
-            for sid, seg_name in SEGMENT_NAMES.items():  # 3 segments
-                in_seg = (real & (segment_ids == sid)).float()
-                n = in_seg.sum()
-                if n > 0:
-                    metrics[f"loss_{seg_name}"] = (per_token * in_seg).sum() / n
+        if segment_ids is not None:
+            metrics.update(segment_losses(kl.mean(0), mask.bool(), segment_ids))  # kl.mean(0): [B, T]
         return metrics

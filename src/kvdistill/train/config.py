@@ -18,7 +18,7 @@ from kvdistill.align.aligner import MODES as HEAD_MODES
 from kvdistill.align.compress import COMPRESSIONS
 from kvdistill.align.projectors import PROJECTOR_KINDS as PROJECTORS
 from kvdistill.align.time import TIME_MODES
-from kvdistill.config import ConfigError, option, suggest, to_plain
+from kvdistill.config import ConfigError, check_choice, option, suggest, to_plain
 from kvdistill.config import parse_config as parse_command_config
 from kvdistill.data import DEFAULT_TEMPLATE, rationale_lines
 from kvdistill.fusion import FUSIONS
@@ -183,8 +183,7 @@ class KVDistillConfig(TrainingArguments):
             "teacher_control": TEACHER_CONTROLS, "teacher_compression": (*COMPRESSIONS, "none"),
         }
         for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"{key}={getattr(self, key)!r} is not one of {allowed}")
+            check_choice(key, getattr(self, key), allowed)
         for key in ("kv_weight", "codi_weight", "logit_kd_weight", "ce_weight", "kv_warmup_steps"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")

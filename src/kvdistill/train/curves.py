@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -11,16 +10,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from kvdistill.io import read_jsonl
 from kvdistill.plots import save_figure
 
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The training log records (those with a `loss`) of a `metrics.jsonl`."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "loss" in r]
+    return [r for r in read_jsonl(path) if "loss" in r]
 
 
 def final_metrics(path: str | Path) -> dict:
