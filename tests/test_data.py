@@ -106,14 +106,36 @@ def test_unreachable_hub_dataset_fails_clearly():
 
 
 def test_shorten_rationale_for_a_privileged_student():
-    from kvdistill.data import rationale_lines, shorten_rationale
+    from kvdistill.data import LATENT_TOKEN, parse_student_input, shorten_rationale
 
     rec = {"question": "q", "answer": "1 + 2 = 3.\n3 + 4 = 7.\n#### 7"}
     assert shorten_rationale(rec, "full") == rec
     assert shorten_rationale(rec, "no_rationale")["answer"] == "#### 7"
     assert shorten_rationale(rec, "short_rationale:1")["answer"] == "1 + 2 = 3.\n#### 7"
     assert shorten_rationale(rec, "short_rationale:5")["answer"] == rec["answer"]
-    assert rationale_lines("short_rationale:2") == 2
-    for bad in ("short", "short_rationale:0", "short_rationale:x", "latent:4"):
-        with pytest.raises(ValueError, match="short_rationale:K"):
-            rationale_lines(bad)
+    assert shorten_rationale(rec, "latent:3")["answer"] == f"{LATENT_TOKEN * 3}\n#### 7"
+    assert parse_student_input("short_rationale:2") == ("short_rationale", 2)
+    assert parse_student_input("latent:4") == ("latent", 4)
+    for bad in ("short", "short_rationale:0", "short_rationale:x", "latent", "latent:0", "latent:-1"):
+        with pytest.raises(ValueError, match="latent:N"):
+            parse_student_input(bad)
+
+
+@pytest.mark.parametrize("vocab_size", [300, 1000])
+def test_latent_slots_are_n_reasoning_tokens_under_any_tokenizer(vocab_size):
+    """`latent:N` gives exactly N student tokens in the reasoning segment, emitted as labels,
+    and decoding with skip_special_tokens drops them (so answer extraction is unchanged)."""
+    from kvdistill.data import LATENT_TOKEN, add_latent_token, shorten_rationale
+    from kvdistill.models import build_tokenizer
+
+    rec = {"question": "What is 3 + 4 - 2?", "answer": "3 + 4 = 7.\n7 - 2 = 5.\n#### 5"}
+    tok = build_tokenizer([f"Question: {rec['question']}\nAnswer: {rec['answer']}"] * 5, vocab_size,
+                          split_digits=vocab_size < 500)
+    assert add_latent_token(tok) and not add_latent_token(tok)  # added once
+    slot = tok.convert_tokens_to_ids(LATENT_TOKEN)
+    for n in (1, 4, 7):
+        ex = tokenize_example(tok, shorten_rationale(rec, f"latent:{n}"))
+        reasoning = ex["segment_ids"] == REASONING
+        assert int(reasoning.sum()) == n
+        assert (ex["input_ids"][reasoning] == slot).all() and (ex["labels"][reasoning] == slot).all()
+        assert tok.decode(ex["input_ids"], skip_special_tokens=True).endswith("Answer:\n#### 5")

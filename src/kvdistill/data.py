@@ -22,6 +22,7 @@ from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 ANSWER_MARKER = "####"
+LATENT_TOKEN = "<|latent|>"  # one latent (pause) slot of `student_input: latent:N`
 # field maps that make other datasets look like GSM8K: {our name: their column}
 FIELD_MAPS: dict[str, dict[str, str]] = {
     "gsm8k": {"question": "question", "answer": "answer"},
@@ -115,29 +116,44 @@ def split_answer(answer: str) -> tuple[str, str]:
     return "", answer.strip()
 
 
-def rationale_lines(student_input: str) -> int | None:
-    """Lines of the rationale a student reads: None for "full", 0 for "no_rationale", K for "short_rationale:K"."""
-    if student_input == "full":
-        return None
-    if student_input == "no_rationale":
-        return 0
+def parse_student_input(student_input: str) -> tuple[str, int]:
+    """`student_input` as (kind, count): ("full", 0), ("no_rationale", 0), ("short_rationale", K), ("latent", N)."""
+    if student_input in ("full", "no_rationale"):
+        return student_input, 0
     kind, _, k = student_input.partition(":")
-    if kind == "short_rationale" and k.isdigit() and int(k) >= 1:
-        return int(k)
-    raise ValueError(f"student_input {student_input!r} is not one of full, no_rationale, short_rationale:K (K >= 1)")
+    if kind in ("short_rationale", "latent") and k.isdigit() and int(k) >= 1:
+        return kind, int(k)
+    raise ValueError(f"student_input {student_input!r} is not one of full, no_rationale, short_rationale:K, "
+                     "latent:N (K, N >= 1)")
 
 
 def shorten_rationale(record: Mapping[str, Any], student_input: str) -> dict[str, Any]:
     """The record as a privileged-teacher student reads it: its rationale cut to `student_input`.
 
-    `"no_rationale"` leaves `#### <final>` only; `"short_rationale:K"` keeps the first K lines.
+    `"no_rationale"` leaves `#### <final>` only; `"short_rationale:K"` keeps the first K lines;
+    `"latent:N"` puts N `LATENT_TOKEN` slots where the rationale was (pause tokens the student
+    learns to emit and the teachers' compressed rationale is matched on).
     """
-    k = rationale_lines(student_input)
-    if k is None:
+    kind, k = parse_student_input(student_input)
+    if kind == "full":
         return dict(record)
     rationale, final = split_answer(str(record["answer"]))
-    kept = "\n".join(rationale.splitlines()[:k])
+    kept = LATENT_TOKEN * k if kind == "latent" else "\n".join(rationale.splitlines()[:k])
     return {**record, "answer": f"{kept}\n{ANSWER_MARKER} {final}" if kept else f"{ANSWER_MARKER} {final}"}
+
+
+def add_latent_token(tokenizer: Any) -> bool:
+    """Give `tokenizer` the `LATENT_TOKEN` special token (a no-op if it has it); True if it was added.
+
+    `lstrip` folds the space before the first slot into it, so `latent:N` is exactly N tokens
+    under any tokenizer; the caller resizes the model's embeddings.
+    """
+    from tokenizers import AddedToken
+
+    if LATENT_TOKEN in tokenizer.get_vocab():
+        return False
+    token = AddedToken(LATENT_TOKEN, lstrip=True, rstrip=False, normalized=False, special=True)
+    return tokenizer.add_tokens([token], special_tokens=True) > 0
 
 
 @dataclass

@@ -276,6 +276,38 @@ def test_privileged_teacher_no_rationale_with_rkv(base_args, tiny_world):
     assert trainer.state.global_step == 2 and all(r["kv_loss"] > 0 for r in _rows_of(trainer))
 
 
+def test_privileged_latent_slots_train_save_and_evaluate(base_args, tiny_world, tmp_path):
+    """`latent:N`: the student gets a slot token (one new embedding row), reads N slots where the
+    rationale was, every teacher's rationale is compressed onto those N slots, and the saved
+    student evaluates with its own tokenizer (it emits the slots, decoding drops them)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvdistill.commands.eval import run_eval
+    from kvdistill.data import LATENT_TOKEN
+
+    out = tmp_path / "latent"
+    argv = _two_step_argv(base_args, output_dir=out, student_input="latent:3", teacher_compression="rkv",
+                          teachers=_cross_tokenizer_teachers(tiny_world))
+    trainer = build_trainer(parse_config(argv))
+    tok = trainer.processing_class
+    slot = tok.convert_tokens_to_ids(LATENT_TOKEN)
+    student = trainer.distill_model.student
+    assert student.get_input_embeddings().weight.shape[0] == len(tok) > slot
+    batch = _teacher_batch(trainer)
+    reasoning = batch["segment_ids"] == REASONING
+    assert torch.equal(reasoning.sum(1), torch.full((4,), 3)) and (batch["input_ids"][reasoning] == slot).all()
+    teacher_inputs = batch.pop("teacher_inputs")
+    kvs, _ = trainer.teacher_targets(batch, teacher_inputs)
+    for kv in kvs.values():
+        assert torch.equal((kv.segment_ids == REASONING).sum(1), torch.full((4,), 3))
+    trainer.train()
+    trainer.save_model()
+    assert all(r["kv_loss"] > 0 for r in _rows_of(trainer))
+    assert AutoModelForCausalLM.from_pretrained(out).get_input_embeddings().weight.shape[0] == len(tok)
+    res = run_eval(out, data=str(tiny_world.data_dir), split="test", limit=2, max_new_tokens=8, log=lambda _: None)
+    assert len(res["items"]) == 2 and all(LATENT_TOKEN not in it["prediction"] for it in res["items"])
+
+
 @pytest.mark.parametrize("method", ["rkv", "uniform", "random"])
 def test_privileged_short_rationale_slots_per_teacher(base_args, tiny_world, method):
     argv = _two_step_argv(base_args, student_input="short_rationale:1", teacher_compression=method,

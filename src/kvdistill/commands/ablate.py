@@ -63,6 +63,7 @@ _SEGMENT = {**_CKA, "time_mode": "segment"}
 _FULL = {**_SEGMENT, "kv_loss": "mercator"}
 _RELATION = {**_KV, "kv_loss": "relation", "time_mode": "segment"}
 _PRIVILEGED = {**_KV, "time_mode": "segment", "student_input": "no_rationale", "teacher_compression": "rkv"}
+_LATENT = {**_PRIVILEGED, "student_input": "latent:6"}
 
 # name -> (label in the report, overrides on the train config). The core rows are cumulative
 # (+CKA keeps +KV's settings, +Segment keeps +CKA's); the factor rows change one setting of Full.
@@ -87,6 +88,11 @@ BUILTIN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "privileged_kv": ("Privileged KV, no rationale", dict(_PRIVILEGED)),
     "privileged_kv_untrained": ("Privileged KV, untrained teacher", {**_PRIVILEGED, "teacher_control": "untrained"}),
     "privileged_kv_shuffled": ("Privileged KV, shuffled teacher", {**_PRIVILEGED, "teacher_control": "shuffled"}),
+    # KaVa's latent slots: 6 slot tokens where the rationale was, the teachers' rationale compressed onto them
+    "sft_latent": ("SFT, 6 latent slots", {"kv_weight": 0.0, "student_input": "latent:6"}),
+    "latent_kv": ("Privileged KV, 6 latent slots", dict(_LATENT)),
+    "latent_kv_untrained": ("Privileged KV, latent, untrained teacher", {**_LATENT, "teacher_control": "untrained"}),
+    "latent_kv_shuffled": ("Privileged KV, latent, shuffled teacher", {**_LATENT, "teacher_control": "shuffled"}),
     # head alignment
     "flat": ("Full, flat heads", {**_FULL, "head_mode": "flat"}),
     "structured": ("Full, structured heads", {**_FULL, "head_mode": "structured"}),
@@ -112,7 +118,8 @@ VARIANT_SETS: dict[str, list[str]] = {
     "core": ["baseline", "kv", "cka", "segment", "full", "untrained_teacher"],
     "signals": ["baseline", "kv", "kv_untrained", "kv_shuffled", "relation", "relation_untrained",
                 "relation_shuffled", "logit_kd", "logit_kd_kv", "logit_kd_relation"],
-    "privileged": ["sft_no_rationale", "privileged_kv", "privileged_kv_untrained", "privileged_kv_shuffled"],
+    "privileged": ["sft_no_rationale", "privileged_kv", "privileged_kv_untrained", "privileged_kv_shuffled",
+                   "sft_latent", "latent_kv", "latent_kv_untrained", "latent_kv_shuffled"],
     "heads": ["baseline", "flat", "structured"],
     "projectors": ["baseline", "linear", "elastic"],
     "time": ["baseline", "time_index", "time_global", "full"],
@@ -155,11 +162,14 @@ _CONTROLS = {
     "kv": ["kv_untrained", "kv_shuffled"],
     "relation": ["relation_untrained", "relation_shuffled"],
     "privileged_kv": ["privileged_kv_untrained", "privileged_kv_shuffled"],
+    "latent_kv": ["latent_kv_untrained", "latent_kv_shuffled"],
     "logit_kd_kv": ["logit_kd"],
     "logit_kd_relation": ["logit_kd"],
 }
-_REFERENCES = {name: "sft_no_rationale" for name in
-               ("privileged_kv", "privileged_kv_untrained", "privileged_kv_shuffled")}
+_REFERENCES = {
+    **{name: "sft_no_rationale" for name in ("privileged_kv", "privileged_kv_untrained", "privileged_kv_shuffled")},
+    **{name: "sft_latent" for name in ("latent_kv", "latent_kv_untrained", "latent_kv_shuffled")},
+}
 
 
 def resolve_variants(spec: Any) -> list[Variant]:

@@ -18,7 +18,7 @@ from kvdistill.align.aligner import KVAligner
 from kvdistill.align.layer_map import build_layer_map
 from kvdistill.cache import SEGMENT_NAMES, extract_kv
 from kvdistill.config import ConfigError
-from kvdistill.data import DistillCollator, TeacherView, load_records
+from kvdistill.data import DistillCollator, TeacherView, add_latent_token, load_records
 from kvdistill.fusion import TeacherFusion
 from kvdistill.io import read_json, write_json_atomic
 from kvdistill.losses import RelationKVLoss, build_kv_loss
@@ -110,6 +110,9 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
     set_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.student)
     student = load_model(cfg.student, dtype=cfg.student_dtype)
+    if cfg.student_input.startswith("latent:") and add_latent_token(tokenizer):
+        # the slot token is new to the student: one more embedding row (mean-initialised)
+        student.resize_token_embeddings(len(tokenizer))
     extra = [t.rationale_field for t in cfg.teacher_configs if t.rationale_field]
     records = load_records(cfg.data, cfg.data_split, cfg.field_map, cfg.max_samples, extra_fields=extra)
     for i, r in enumerate(records):

@@ -20,7 +20,7 @@ from kvdistill.align.projectors import PROJECTOR_KINDS as PROJECTORS
 from kvdistill.align.time import TIME_MODES
 from kvdistill.config import ConfigError, check_choice, option, suggest, to_plain
 from kvdistill.config import parse_config as parse_command_config
-from kvdistill.data import DEFAULT_TEMPLATE, rationale_lines
+from kvdistill.data import DEFAULT_TEMPLATE, parse_student_input
 from kvdistill.fusion import FUSIONS
 from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
 
@@ -132,8 +132,8 @@ class KVDistillConfig(TrainingArguments):
                                   "within the batch). A gain must beat both to count as knowledge transfer.")
     # ---- privileged teacher (KaVa)
     student_input: str = option("full", "What the student reads of the rationale: full | no_rationale | "
-                                "short_rationale:K (its first K lines). Teachers always read the full rationale "
-                                "(privileged information).")
+                                "short_rationale:K (its first K lines) | latent:N (N latent slot tokens in its place, "
+                                "KaVa-style). Teachers always read the full rationale (privileged information).")
     teacher_compression: str = option("rkv", f"With a shortened student input: how each teacher's rationale is "
                                       f"cut to the student's reasoning slots: {COMPRESSIONS} or none (proportional "
                                       "time alignment only).")
@@ -206,7 +206,7 @@ class KVDistillConfig(TrainingArguments):
         if self.key_space == "auto":
             self.key_space = "pre_rope" if self.kv_loss == "relation" else "post_rope"
         try:
-            rationale_lines(self.student_input)
+            parse_student_input(self.student_input)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         if self.kv_loss == "relation" and (self.relation_heads < 1 or self.relation_temperature <= 0):
