@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,11 +298,16 @@ class DistillCollator:
     """Tokenize records per batch for the student and every teacher that sees the text differently.
 
     Returns a batch with the student's `input_ids, attention_mask, labels, segment_ids` `[B, T]`,
-    `index [B]` (record ids, for per-sample teacher weights) and `teacher_inputs`:
+    `index [B]` (record ids, for per-sample teacher weights and the teacher cache), `labelled [B]`
+    (False for transfer records: no LM loss) and `teacher_inputs`:
     `{teacher name: {input_ids, attention_mask, segment_ids}}` for teachers listed in `teachers`
     (those with another tokenizer or rationale; the others reuse the student's tensors).
     `student_input` shortens the student's rationale (`shorten_rationale`); teachers always read
     the whole record.
+
+    `transfer` records (a transfer set; their `index` continues after the labelled records') are
+    appended to every batch, `transfer_batch_size` of them, drawn with a generator seeded by
+    `seed` and the batch's own indices: a resumed run (same sampler state) draws the same ones.
     """
 
     tokenizer: Any
@@ -310,6 +316,18 @@ class DistillCollator:
     use_chat_template: bool = False
     teachers: dict[str, TeacherView] = field(default_factory=dict)
     student_input: str = "full"
+    transfer: Sequence[Mapping[str, Any]] = ()
+    transfer_batch_size: int = 0
+    seed: int = 0
+
+    def _transfer_draw(self, records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        if not self.transfer or self.transfer_batch_size <= 0:
+            return []
+        ids = [int(r.get("index", i)) for i, r in enumerate(records)]
+        key = zlib.crc32(str((self.seed, ids)).encode())
+        g = torch.Generator().manual_seed(key)
+        pick = torch.randint(len(self.transfer), (self.transfer_batch_size,), generator=g)
+        return [self.transfer[i] for i in pick.tolist()]
 
     def _encode(self, tok: Any, records: Sequence[Mapping], rationale_field: str | None) -> dict[str, Tensor]:
         feats = [
@@ -319,9 +337,12 @@ class DistillCollator:
         return pad_batch(feats, tok.pad_token_id if tok.pad_token_id is not None else 0)
 
     def __call__(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        n_labelled = len(records)
+        records = [*records, *self._transfer_draw(records)]
         student_records = [shorten_rationale(r, self.student_input) for r in records]
         batch: dict[str, Any] = self._encode(self.tokenizer, student_records, None)
         batch["index"] = torch.tensor([int(r.get("index", i)) for i, r in enumerate(records)])
+        batch["labelled"] = torch.arange(len(records)) < n_labelled  # [B]
         teacher_inputs = {}
         for name, view in self.teachers.items():
             enc = self._encode(view.tokenizer, records, view.rationale_field)

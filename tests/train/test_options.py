@@ -329,6 +329,8 @@ def test_privileged_short_rationale_slots_per_teacher(base_args, tiny_world, met
     ({"student_input": "no_rationale", "logit_kd_weight": 1.0}, "logit KD"),
     ({"kv_loss": "relation", "fusion": "kv_mean"}, "kv_mean"),
     ({"student_input": "short_rationale:0"}, "short_rationale:K"),
+    ({"transfer_data": "x", "fusion": "correctness"}, "transfer set has no gold"),
+    ({"transfer_batch_size": -1}, "transfer_batch_size"),
     ({"teacher_control": "random"}, "teacher_control"),
 ])
 def test_kv_signal_config_errors(base_args, overrides, match):
@@ -350,3 +352,51 @@ def test_teacher_cache_equals_live_teachers(base_args, tiny_world, tmp_path):
         if cache:
             assert len(trainer.teachers.cache.store) == 2 * 8  # two teachers x 8 records, computed once
     torch.testing.assert_close(torch.tensor(logs[True]), torch.tensor(logs[False]), rtol=1e-4, atol=1e-5)
+
+
+def _transfer_argv(base_args, tiny_world, **kw):
+    # the fixture's test split stands in for teacher-written completions of unlabelled questions
+    return _two_step_argv(base_args, transfer_data=str(tiny_world.data_dir), transfer_split="test",
+                          transfer_batch_size=3, **kw)
+
+
+def test_transfer_records_are_drawn_per_batch_reproducibly(base_args, tiny_world):
+    trainer = build_trainer(parse_config(_transfer_argv(base_args, tiny_world)))
+    n = len(trainer.train_dataset)
+    rows = [trainer.train_dataset[i] for i in range(4)]
+    a, b = trainer.data_collator(rows), trainer.data_collator(rows)
+    assert torch.equal(a["index"], b["index"])  # same batch -> same draw (resume replays it)
+    assert a["input_ids"].shape[0] == 7 and a["labelled"].tolist() == [True] * 4 + [False] * 3
+    assert (a["index"][:4] < n).all() and (a["index"][4:] >= n).all()  # one id space for the teacher cache
+    other = trainer.data_collator([trainer.train_dataset[i] for i in range(4, 8)])
+    assert not torch.equal(other["index"][4:], a["index"][4:])  # another batch, another draw
+
+
+def test_transfer_records_get_teacher_signals_but_no_lm_loss(base_args, tiny_world):
+    """CE over labelled + transfer rows equals CE over the labelled rows alone; logit KD (and the
+    KV loss) also cover the transfer rows."""
+    trainer = build_trainer(parse_config(_transfer_argv(base_args, tiny_world, logit_kd_weight=1.0,
+                                                        kv_warmup_steps=0)))
+    model = trainer.distill_model
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    teacher_inputs = batch.pop("teacher_inputs", {})
+
+    def forward(keep: torch.Tensor) -> dict:
+        part = {k: v[keep] for k, v in batch.items()}
+        kvs, logits = trainer.teacher_targets(part, {k: {kk: vv[keep] for kk, vv in v.items()}
+                                                    for k, v in teacher_inputs.items()})
+        return model(**part, teacher_kvs=kvs, teacher_logits=logits, kv_scale=1.0)["metrics"]
+
+    is_labelled = batch["labelled"]
+    both, labelled, transfer = forward(torch.ones_like(is_labelled)), forward(is_labelled), forward(~is_labelled)
+    torch.testing.assert_close(both["ce"], labelled["ce"])
+    assert float(transfer["ce"]) == 0.0 and float(transfer["logit_kd"]) > 0 and float(transfer["kv_loss"]) > 0
+
+
+def test_transfer_set_trains_end_to_end_and_sft_ignores_it(base_args, tiny_world):
+    trainer = build_trainer(parse_config(_transfer_argv(base_args, tiny_world, kv_loss="relation")))
+    trainer.train()
+    assert trainer.state.global_step == 2 and all(r["kv_loss"] > 0 for r in _rows_of(trainer))
+    sft = build_trainer(parse_config(_transfer_argv(base_args, tiny_world, kv_weight=0)))
+    batch = sft.data_collator([sft.train_dataset[i] for i in range(4)])
+    assert batch["input_ids"].shape[0] == 4 and batch["labelled"].all()  # no teacher signal: no transfer rows

@@ -127,8 +127,14 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
         t.name: TeacherView(t.tokenizer, s.rationale_field)
         for t, s in zip(teachers, specs) if not t.shares_student_tokens
     }
+    transfer = []
+    if teachers and cfg.transfer_data:  # without a teacher signal a transfer record teaches nothing
+        transfer = load_records(cfg.transfer_data, cfg.transfer_split, cfg.field_map, cfg.transfer_max_samples,
+                                extra_fields=extra)
+        for i, r in enumerate(transfer):
+            r["index"] = len(records) + i  # after the labelled ids: one teacher-cache key space
     collator = DistillCollator(tokenizer, cfg.max_length, cfg.prompt_template, cfg.use_chat_template, views,
-                               cfg.student_input)
+                               cfg.student_input, transfer, cfg.transfer_batch_size, cfg.seed)
     teacher_set = TeacherSet(teachers, cfg.device, offload=cfg.teacher_offload, cache=cfg.teacher_cache)
 
     # size the aligners from one probe batch (dims are read from the caches, so any pair works)

@@ -78,6 +78,16 @@ class KVDistillConfig(TrainingArguments):
     data_split: str = option("train", "Split to train on.")
     field_map: None | str | dict = option(None, "Column mapping {question: col, answer: col} or a name (gsm8k, svamp, math).")
     max_samples: int | None = option(None, "Use only the first N training records.")
+    transfer_data: str | None = option(None, "Transfer set (Hinton et al.): records the student gets no LM loss "
+                                       "on, only the teacher signals (KV, relation, logit KD, CODI). Their "
+                                       "`answer` is read, not learned as a label: e.g. teacher-written completions "
+                                       "of unlabelled questions. Same formats as `data`; unused without a teacher "
+                                       "signal.")
+    transfer_split: str = option("train", "Split of transfer_data.")
+    transfer_max_samples: int | None = option(None, "Use only the first N transfer records.")
+    transfer_batch_size: int = option(0, "Transfer records added to every micro-batch of labelled ones (drawn at "
+                                      "random, seeded by the batch, so a resumed run draws the same); 0: "
+                                      "per_device_train_batch_size.")
     max_length: int = option(512, "Maximum tokens per example (longer ones are cut, with a warning).")
     prompt_template: str = option(DEFAULT_TEMPLATE, "Prompt template with {question}.")
     use_chat_template: bool = option(False, "Format prompts with the tokenizer's chat template.")
@@ -220,6 +230,12 @@ class KVDistillConfig(TrainingArguments):
         if self.logit_kd_weight > 0 and (self.teacher_control == "shuffled" or self.student_input != "full"):
             raise ConfigError("logit KD compares teacher and student on the same tokens; it cannot run with "
                               "teacher_control: shuffled or a shortened student_input (set logit_kd_weight: 0)")
+        if self.transfer_batch_size < 0:
+            raise ConfigError("transfer_batch_size must be >= 0 (0: per_device_train_batch_size)")
+        self.transfer_batch_size = self.transfer_batch_size or self.per_device_train_batch_size
+        if self.transfer_data and self.fusion == "correctness":
+            raise ConfigError("fusion: correctness weighs teachers by their answers to the labelled records; the "
+                              "transfer set has no gold answers: use fusion loss_sum or learned with transfer_data")
         if self.kv_loss == "structural" and self.head_mode != "structured":
             raise ConfigError("kv_loss: structural compares heads; it needs head_mode: structured")
         if self.fusion == "kv_mean" and self.direction != "teacher_to_student":

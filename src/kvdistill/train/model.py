@@ -88,9 +88,11 @@ class KVDistillModel(nn.Module):
         teacher_kvs: dict[str, KVCache],
         teacher_logits: dict[str, Tensor] | None = None,
         kv_scale: float = 0.0,
+        labelled: Tensor | None = None,
         num_ce_tokens: Tensor | float | None = None,
         num_kv_tokens: Tensor | float | None = None,
         num_sequences: Tensor | float | None = None,
+        num_kd_tokens: Tensor | float | None = None,
     ) -> dict:
         w = self.weights
         need_kv = kv_scale > 0 and len(self.aligners) > 0
@@ -104,8 +106,10 @@ class KVDistillModel(nn.Module):
             out = self.student(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                output_hidden_states=w.codi > 0)
             hidden = torch.stack(out.hidden_states) if w.codi > 0 else None  # [L+1, B, T, d]
-        ce_sum = token_ce_sum(out.logits, labels)
-        n_ce_local = (labels[:, 1:] != -100).sum()
+        # transfer records (labelled False) have targets for logit KD but no LM loss
+        ce_labels = labels if labelled is None else labels.masked_fill(~labelled[:, None], -100)  # [B, T]
+        ce_sum = token_ce_sum(out.logits, ce_labels)
+        n_ce_local = (ce_labels[:, 1:] != -100).sum()
         n_ce = num_ce_tokens if num_ce_tokens is not None else n_ce_local.clamp(min=1)
         metrics: dict[str, Tensor | float] = {"ce": (ce_sum / n_ce_local.clamp(min=1)).detach()}
         loss = w.ce * ce_sum / n_ce
@@ -127,8 +131,9 @@ class KVDistillModel(nn.Module):
                 logit_kd_sum(out.logits, t, labels, w.logit_kd_kind, w.temperature, sample_w[:, names.index(n)])
                 for n, t in teacher_logits.items()
             )
-            loss = loss + w.logit_kd * kd / n_ce
-            metrics["logit_kd"] = (kd / n_ce_local.clamp(min=1)).detach()
+            n_kd_local = (labels[:, 1:] != -100).sum().clamp(min=1)
+            loss = loss + w.logit_kd * kd / (num_kd_tokens if num_kd_tokens is not None else n_kd_local)
+            metrics["logit_kd"] = (kd / n_kd_local).detach()
         for i, n in enumerate(names):
             metrics[f"fusion_w/{n}"] = sample_w[:, i].mean().detach()
         return {"loss": loss, "metrics": metrics}

@@ -123,14 +123,17 @@ class KVDistillTrainer(Trainer):
         return self.optimizer
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
-        """Global (all micro-batches, all ranks) counts `[3]`: CE tokens, KV tokens, sequences."""
+        """Global (all micro-batches, all ranks) counts `[4]`: CE tokens (labelled records), KV tokens,
+        sequences, logit-KD tokens (labelled and transfer records)."""
         if not batch_samples or "labels" not in batch_samples[0]:
             return None
         m = self.distill_model
-        ce = sum(float((b["labels"][:, 1:] != -100).sum()) for b in batch_samples)
+        targets = [b["labels"][:, 1:] != -100 for b in batch_samples]  # [B, T-1] each
+        ce = sum(float((t & b["labelled"][:, None]).sum()) for t, b in zip(targets, batch_samples))
+        kd = sum(float(t.sum()) for t in targets)
         kv = sum(float(m.kv_mask(b["segment_ids"], b["attention_mask"]).sum()) for b in batch_samples)
         seqs = sum(float(b["input_ids"].shape[0]) for b in batch_samples)  # per-sample terms (CODI)
-        counts = torch.tensor([ce, kv, seqs], device=device)
+        counts = torch.tensor([ce, kv, seqs, kd], device=device)
         if self.args.world_size > 1:
             counts = self.accelerator.gather(counts[None]).sum(0)
         return counts.clamp(min=1)
@@ -155,6 +158,7 @@ class KVDistillTrainer(Trainer):
             num_ce_tokens=None if counts is None else counts[0],
             num_kv_tokens=None if counts is None else counts[1],
             num_sequences=None if counts is None else counts[2],
+            num_kd_tokens=None if counts is None else counts[3],
         )
         loss = out["loss"]
         if counts is not None:
