@@ -331,6 +331,7 @@ def test_privileged_short_rationale_slots_per_teacher(base_args, tiny_world, met
     ({"student_input": "short_rationale:0"}, "short_rationale:K"),
     ({"transfer_data": "x", "fusion": "correctness"}, "transfer set has no gold"),
     ({"transfer_batch_size": -1}, "transfer_batch_size"),
+    ({"transfer_field_map": "gsm9k"}, "not a known name"),
     ({"teacher_control": "random"}, "teacher_control"),
 ])
 def test_kv_signal_config_errors(base_args, overrides, match):
@@ -357,7 +358,7 @@ def test_teacher_cache_equals_live_teachers(base_args, tiny_world, tmp_path):
 def _transfer_argv(base_args, tiny_world, **kw):
     # the fixture's test split stands in for teacher-written completions of unlabelled questions
     return _two_step_argv(base_args, transfer_data=str(tiny_world.data_dir), transfer_split="test",
-                          transfer_batch_size=3, **kw)
+                          transfer_field_map="{question: question, answer: answer}", transfer_batch_size=3, **kw)
 
 
 def test_transfer_records_are_drawn_per_batch_reproducibly(base_args, tiny_world):

@@ -361,6 +361,19 @@ def eval_settings_for(cfg: AblationConfig, train_cfg: Mapping[str, Any]) -> dict
     return {k: v for k, v in settings.items() if v is not None}
 
 
+def _check_same_settings(rdir: Path, train_cfg: dict[str, Any]) -> None:
+    """A run dir left by an earlier ablation is reused only if it was made with these settings."""
+    saved_path = rdir / "train_config.yaml"
+    if not saved_path.exists():
+        return
+    saved = yaml.safe_load(saved_path.read_text()) or {}
+    now = yaml.safe_load(yaml.safe_dump(train_cfg, sort_keys=False, allow_unicode=True))
+    changed = sorted(k for k in {*saved, *now} if saved.get(k) != now.get(k))
+    if changed:
+        raise AblationError(f"{rdir} holds a run made with other settings ({', '.join(changed)} differ); delete "
+                            "it or set another output_dir, so old and new runs are never mixed")
+
+
 def _default_train(argv: list[str]) -> int:
     from kvdistill.commands.train import main as train_main
 
@@ -427,10 +440,11 @@ def run_ablation(
     for k, (variant, seed) in enumerate(jobs, 1):
         rdir = run_dir(cfg, variant.name, seed)
         tag = f"[{k}/{len(jobs)}] {variant.name} seed {seed}"
+        train_cfg = train_config_for(cfg, variant, seed)
+        _check_same_settings(rdir, train_cfg)
         if (rdir / "eval" / "summary.json").exists():
             log(f"{tag}: finished, skipped")
             continue
-        train_cfg = train_config_for(cfg, variant, seed)
         rdir.mkdir(parents=True, exist_ok=True)
         if not (rdir / "train_summary.json").exists():
             write_text_atomic(rdir / "train_config.yaml", yaml.safe_dump(train_cfg, sort_keys=False, allow_unicode=True))

@@ -53,6 +53,10 @@ ARCHS = {
                                      num_attention_heads=2, num_key_value_heads=1)),      # L2, 1 x 32
 }
 TEACHERS = ("teacher_qwen2", "teacher_llama")
+TRANSFER_TEACHER = "teacher_qwen2"  # answers the transfer questions (the best teacher on dev)
+SPLITS = ("teacher_pool", "train", "transfer_questions", "dev", "test")
+# an eval's items.jsonl read as a transfer set: the teacher's completion is the text
+TRANSFER_FIELDS = "{question: question, answer: prediction}"
 STUDENTS = {  # name -> (config in configs/demo/, extra flags)
     "student_sft": ("student.yaml", []),
     "student_logit_kd": ("student.yaml", ["--logit_kd_weight", "1.0"]),
@@ -64,6 +68,7 @@ STUDENTS = {  # name -> (config in configs/demo/, extra flags)
 class Sizes:
     pool: int  # teacher training problems
     labelled: int  # the student's labelled subset of the pool
+    transfer: int  # pool questions after the labelled ones, answered by a teacher: the transfer set
     dev: int
     test: int
     teacher_steps: int
@@ -74,9 +79,9 @@ class Sizes:
 
 
 SIZES = {
-    "full": Sizes(pool=20000, labelled=500, dev=500, test=1000, teacher_steps=2500, curve_steps=1500,
+    "full": Sizes(pool=20000, labelled=500, transfer=2000, dev=500, test=1000, teacher_steps=2500, curve_steps=1500,
                   curve_every=250, curve_items=300, gate=0.90),
-    "quick": Sizes(pool=400, labelled=64, dev=40, test=60, teacher_steps=30, curve_steps=30, curve_every=15,
+    "quick": Sizes(pool=400, labelled=64, transfer=32, dev=40, test=60, teacher_steps=30, curve_steps=30, curve_every=15,
                    curve_items=20, gate=0.0),
 }
 
@@ -146,12 +151,13 @@ def run_parallel(jobs: dict[str, list[str]], workers: int, logs: Path) -> None:
 def prepare_data(data: Path, sizes: Sizes, seed: int) -> None:
     """teacher_pool / train (the student's labelled subset of the pool) / dev / test jsonl, disjoint
     questions between the pool and the held-out splits."""
-    if (data / "test.jsonl").exists():
+    if all((data / f"{split}.jsonl").exists() for split in SPLITS):
         return
     pool = generate_problems(sizes.pool, seed, **TASK)
     held = generate_problems(sizes.dev + sizes.test, seed + 1_000_003, exclude=[r["question"] for r in pool], **TASK)
     write_jsonl(pool, data / "teacher_pool.jsonl")
     write_jsonl(pool[: sizes.labelled], data / "train.jsonl")
+    write_jsonl(pool[sizes.labelled : sizes.labelled + sizes.transfer], data / "transfer_questions.jsonl")
     write_jsonl(held[: sizes.dev], data / "dev.jsonl")
     write_jsonl(held[sizes.dev :], data / "test.jsonl")
 
@@ -239,13 +245,13 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     gate = sizes.gate if gate is None else gate
     t0 = time.time()
     data = out / "data"
-    _log(f"[1/6] data: pool {sizes.pool}, labelled {sizes.labelled}, dev {sizes.dev}, test {sizes.test} -> {data}")
+    _log(f"[1/7] data: pool {sizes.pool}, labelled {sizes.labelled}, dev {sizes.dev}, test {sizes.test} -> {data}")
     prepare_data(data, sizes, seed)
-    _log("[2/6] tokenizers and random-init models")
+    _log("[2/7] tokenizers and random-init models")
     init = build_models(out, data, seed)
 
     teachers = {name: out / "teachers" / name for name in TEACHERS}
-    _log(f"[3/6] teachers on the pool ({sizes.teacher_steps} steps each), quality gate {gate:.2f} on dev")
+    _log(f"[3/7] teachers on the pool ({sizes.teacher_steps} steps each), quality gate {gate:.2f} on dev")
     run_parallel({name: ["train", "--config", str(config_path("teacher.yaml")), "--student", str(init[name]),
                          "--data", str(data), "--data_split", "teacher_pool", "--output_dir", str(path),
                          "--max_steps", str(sizes.teacher_steps), "--seed", str(seed)]
@@ -261,7 +267,13 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
                              f"{gate:.2f} gate; train it longer (delete {path} and raise its steps) or lower --gate")
         print(f"    {name}: dev accuracy {acc:.3f} (gate {gate:.2f})")
 
-    _log(f"[4/6] SFT learning curve of the student on its {sizes.labelled} labelled problems")
+    _log(f"[4/7] transfer set: {TRANSFER_TEACHER} answers {sizes.transfer} pool questions the student has no "
+         "labels for (teacher signals only, no LM loss)")
+    transfer = out / "transfer" / TRANSFER_TEACHER
+    if not (transfer / "summary.json").exists():
+        _run(*_eval_argv(teachers[TRANSFER_TEACHER], data, "transfer_questions", sizes.transfer, transfer))
+
+    _log(f"[5/7] SFT learning curve of the student on its {sizes.labelled} labelled problems")
     curve_run = out / "runs" / "sft_curve"
     common = ["--student", str(init["student"]), "--data", str(data), "--seed", str(seed)]
     if not (curve_run / "train_summary.json").exists():
@@ -279,15 +291,16 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     write_json_atomic(out / "sft_curve.json", curve)
     print(f"    budget: {budget} steps (dev {dict(points)[budget]:.3f}; best {best:.3f} at step {best_step})")
 
-    _log(f"[5/6] students at {budget} steps: SFT, logit KD, KV")
+    _log(f"[6/7] students at {budget} steps: SFT, logit KD, KV")
     teacher_list = "[" + ", ".join(f"{{path: {p}}}" for p in teachers.values()) + "]"
     runs = {name: out / "runs" / name for name in STUDENTS}
     run_parallel({name: ["train", "--config", str(config_path(cfg_name)), *common, "--teachers", teacher_list,
+                         "--transfer_data", str(transfer / "items.jsonl"), "--transfer_field_map", TRANSFER_FIELDS,
                          "--output_dir", str(runs[name]), "--max_steps", str(budget), *extra]
                   for name, (cfg_name, extra) in STUDENTS.items() if not (runs[name] / "train_summary.json").exists()},
                  workers, out / "logs")
 
-    _log(f"[6/6] test evaluation on {sizes.test} held-out problems")
+    _log(f"[7/7] test evaluation on {sizes.test} held-out problems")
     models = {**teachers, **runs}
     rows = []
     for name, path in models.items():

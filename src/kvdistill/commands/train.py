@@ -129,8 +129,8 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
     }
     transfer = []
     if teachers and cfg.transfer_data:  # without a teacher signal a transfer record teaches nothing
-        transfer = load_records(cfg.transfer_data, cfg.transfer_split, cfg.field_map, cfg.transfer_max_samples,
-                                extra_fields=extra)
+        transfer = load_records(cfg.transfer_data, cfg.transfer_split, cfg.transfer_field_map or cfg.field_map,
+                                cfg.transfer_max_samples, extra_fields=extra)
         for i, r in enumerate(transfer):
             r["index"] = len(records) + i  # after the labelled ids: one teacher-cache key space
     collator = DistillCollator(tokenizer, cfg.max_length, cfg.prompt_template, cfg.use_chat_template, views,

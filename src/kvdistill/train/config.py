@@ -20,7 +20,7 @@ from kvdistill.align.projectors import PROJECTOR_KINDS as PROJECTORS
 from kvdistill.align.time import TIME_MODES
 from kvdistill.config import ConfigError, check_choice, option, suggest, to_plain
 from kvdistill.config import parse_config as parse_command_config
-from kvdistill.data import DEFAULT_TEMPLATE, parse_student_input
+from kvdistill.data import DEFAULT_TEMPLATE, FIELD_MAPS, parse_student_input
 from kvdistill.fusion import FUSIONS
 from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
 
@@ -84,6 +84,9 @@ class KVDistillConfig(TrainingArguments):
                                        "of unlabelled questions. Same formats as `data`; unused without a teacher "
                                        "signal.")
     transfer_split: str = option("train", "Split of transfer_data.")
+    transfer_field_map: None | str | dict = option(None, "Column mapping of transfer_data (default: field_map); "
+                                                   "an eval's items.jsonl is a transfer set with "
+                                                   "{question: question, answer: prediction}.")
     transfer_max_samples: int | None = option(None, "Use only the first N transfer records.")
     transfer_batch_size: int = option(0, "Transfer records added to every micro-batch of labelled ones (drawn at "
                                       "random, seeded by the batch, so a resumed run draws the same); 0: "
@@ -163,7 +166,7 @@ class KVDistillConfig(TrainingArguments):
 
     def __post_init__(self) -> None:
         # mapping-valued options arrive as YAML objects from a file, or as strings from the CLI
-        for key in ("teachers", "field_map", "segment_weights"):
+        for key in ("teachers", "field_map", "transfer_field_map", "segment_weights"):
             setattr(self, key, to_plain(getattr(self, key)))
         if isinstance(self.teachers, (str, dict)):  # one teacher, given as a path or a mapping
             self.teachers = [self.teachers]
@@ -230,6 +233,11 @@ class KVDistillConfig(TrainingArguments):
         if self.logit_kd_weight > 0 and (self.teacher_control == "shuffled" or self.student_input != "full"):
             raise ConfigError("logit KD compares teacher and student on the same tokens; it cannot run with "
                               "teacher_control: shuffled or a shortened student_input (set logit_kd_weight: 0)")
+        for key in ("field_map", "transfer_field_map"):
+            value = getattr(self, key)
+            if isinstance(value, str) and value not in FIELD_MAPS:
+                raise ConfigError(f"{key} {value!r} is not a known name {sorted(FIELD_MAPS)}; give a mapping "
+                                  "{question: <column>, answer: <column>}")
         if self.transfer_batch_size < 0:
             raise ConfigError("transfer_batch_size must be >= 0 (0: per_device_train_batch_size)")
         self.transfer_batch_size = self.transfer_batch_size or self.per_device_train_batch_size
