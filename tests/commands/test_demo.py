@@ -24,8 +24,15 @@ def test_demo_quick_end_to_end(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     # the splits are disjoint and the student's labelled set is a subset of the teachers' pool
     q = {s: {json.loads(x)["question"] for x in (out / "data" / f"{s}.jsonl").read_text().splitlines()}
-         for s in ("teacher_pool", "train", "dev", "test")}
+         for s in ("teacher_pool", "train", "transfer_questions", "dev", "test")}
     assert q["train"] < q["teacher_pool"] and not (q["teacher_pool"] & (q["dev"] | q["test"]))
+    # the transfer set: pool questions the student has no labels for, answered by a teacher, read
+    # by the distilling students only
+    assert q["transfer_questions"] < q["teacher_pool"] and not (q["transfer_questions"] & q["train"])
+    items = [json.loads(x) for x in (out / "transfer" / "teacher_qwen2" / "items.jsonl").read_text().splitlines()]
+    assert {it["question"] for it in items} == q["transfer_questions"]
+    for name, used in (("student_sft", 0), ("student_logit_kd", 32), ("student_kv", 32)):  # SFT: no teacher signal
+        assert json.loads((out / "runs" / name / "train_summary.json").read_text())["transfer_records"] == used
     # teacher_llama reads another tokenizer: time alignment is not the identity
     vocab = {n: json.loads((out / "init" / n / "config.json").read_text())["vocab_size"]
              for n in ("student", "teacher_llama")}

@@ -205,6 +205,7 @@ def run_training(cfg: KVDistillConfig) -> Path:
             "train_loss": result.training_loss,
             "final": final_metrics(out / "metrics.jsonl"),
             "teachers": trainer.teachers.manifest(),
+            "transfer_records": len(trainer.data_collator.transfer),
             "student": cfg.student,
             "environment": environment(),
         }
