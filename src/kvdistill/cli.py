@@ -18,6 +18,7 @@ from kvdistill import __version__
 # name -> (module with `main(argv)`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("kvdistill.commands.train", "multi-teacher KV-distillation training (transformers.Trainer)"),
+    "capture": ("kvdistill.commands.capture", "run each teacher once over a run's data, store its KV cache (safetensors)"),
     "eval": ("kvdistill.commands.eval", "GSM8K-style accuracy and perplexity of a causal LM"),
     "ablate": ("kvdistill.commands.ablate", "run variants x seeds, write ablation.md with paired tests"),
     "layer-map": ("kvdistill.commands.layer_map", "CKA between student and teacher layers -> top-k layer map JSON + heatmap"),

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from kvdistill.cache import PAD, KeySpace, KVCache, forward_with_kv
+from kvdistill.config import ConfigError
 from kvdistill.models import config_hash, load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,13 +52,22 @@ def freeze(model: nn.Module) -> nn.Module:
     return model
 
 
-def load_teacher(spec: Any, student_tokenizer: Any, *, untrained: bool = False, seed: int = 0) -> Teacher:
+def load_teacher(spec: Any, student_tokenizer: Any, *, untrained: bool = False, seed: int = 0,
+                 weights: bool = True) -> Teacher:
     """Load a teacher from a `TeacherConfig`-like spec (path, name, dtype, quantization, tokenizer...).
 
     `untrained=True` replaces the weights by a random init of the same architecture: the control
-    that tells a distillation gain apart from mere regularisation.
+    that tells a distillation gain apart from mere regularisation. `weights=False` builds the
+    architecture on the meta device (no memory): a teacher whose outputs come from a capture.
     """
-    model = load_model(spec.path, dtype=spec.dtype, quantization=spec.quantization)
+    if not weights:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path))
+        untrained = False
+    else:
+        model = load_model(spec.path, dtype=spec.dtype, quantization=spec.quantization)
     if untrained:
         from transformers import AutoModelForCausalLM
 
@@ -140,7 +150,7 @@ class TeacherSet:
         self.offload = offload
         self.cache = TeacherCache() if cache else None
         for t in teachers:
-            if not _is_quantized(t.model):
+            if not _is_quantized(t.model) and not is_captured(t):
                 t.model.to("cpu" if offload else self.device)
 
     def __iter__(self):
@@ -192,6 +202,11 @@ class TeacherSet:
         if self.cache is not None and index is not None:
             if self.cache.has(key, index):
                 return self.cache.get(key, index, input_ids.device)
+            if is_captured(self.teachers[name]):
+                missing = [int(i) for i in index if (*key, int(i)) not in self.cache.store]
+                raise ConfigError(f"teacher {name} is read from a capture that lacks records {missing[:5]} (or was "
+                                  "made without hidden states / logits this run needs); capture again with this "
+                                  "run's config")
             kv, logits = self._forward(name, input_ids, attention_mask, segment_ids, key_space,
                                        output_hidden_states, return_logits)
             self.cache.put(key, index, kv, logits)
@@ -231,6 +246,11 @@ def derangement(n: int, generator: torch.Generator | None = None) -> Tensor:
     sigma = torch.empty_like(p)
     sigma[p] = p.roll(-k)  # [n]
     return sigma
+
+
+def is_captured(teacher: Teacher) -> bool:
+    """A teacher without weights (meta device): its outputs come from a capture."""
+    return next(teacher.model.parameters()).is_meta
 
 
 def _is_quantized(model: nn.Module) -> bool:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import datasets
 import torch
@@ -17,6 +19,7 @@ from transformers import set_seed
 from kvdistill.align.aligner import KVAligner
 from kvdistill.align.layer_map import build_layer_map
 from kvdistill.cache import SEGMENT_NAMES, extract_kv
+from kvdistill.capture import load_capture, token_hash, tokenizer_hash, weights_fingerprint
 from kvdistill.config import ConfigError
 from kvdistill.data import DistillCollator, TeacherView, add_latent_token, load_records
 from kvdistill.fusion import TeacherFusion
@@ -24,8 +27,8 @@ from kvdistill.io import read_json, write_json_atomic
 from kvdistill.losses import RelationKVLoss, build_kv_loss
 from kvdistill.models import config_hash, load_model, load_tokenizer, num_layers
 from kvdistill.report import environment
-from kvdistill.teachers import TeacherSet, load_teacher
-from kvdistill.train.config import KVDistillConfig, parse_config
+from kvdistill.teachers import Teacher, TeacherSet, load_teacher
+from kvdistill.train.config import KVDistillConfig, TeacherConfig, parse_config
 from kvdistill.train.model import KVDistillModel, LossWeights
 from kvdistill.train.trainer import KVDistillTrainer
 
@@ -105,8 +108,22 @@ def teacher_correctness(cfg: KVDistillConfig, teachers: TeacherSet, records: lis
     return torch.stack(cols, 1)
 
 
-def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
-    """Load everything the config names and wire it into a `KVDistillTrainer`."""
+@dataclass
+class RunInputs:
+    """What a run reads before any training: tokenizer, student, records, teachers, collator."""
+
+    tokenizer: Any
+    student: Any
+    records: list[dict]  # labelled records, index 0..n-1
+    transfer: list[dict]  # transfer records, index n..n+m-1
+    teachers: list[Teacher]
+    specs: list[TeacherConfig]
+    collator: DistillCollator
+
+
+def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
+    """Load student, data and teachers as `cfg` names them (`teacher_weights=False`: teachers on
+    the meta device, their outputs to come from a capture)."""
     set_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.student)
     student = load_model(cfg.student, dtype=cfg.student_dtype)
@@ -119,7 +136,8 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
         r["index"] = i  # row id, for per-sample teacher weights
     use_teachers = bool(cfg.teacher_configs) and (cfg.kv_weight > 0 or cfg.codi_weight > 0 or cfg.logit_kd_weight > 0)
     specs = cfg.teacher_configs if use_teachers else []
-    teachers = [load_teacher(s, tokenizer, untrained=cfg.teacher_control == "untrained", seed=cfg.seed) for s in specs]
+    teachers = [load_teacher(s, tokenizer, untrained=cfg.teacher_control == "untrained", seed=cfg.seed,
+                             weights=teacher_weights) for s in specs]
     if cfg.student_input != "full":  # privileged teachers read the full rationale: never the student's tokens
         for t in teachers:
             t.shares_student_tokens = False
@@ -132,10 +150,58 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
         transfer = load_records(cfg.transfer_data, cfg.transfer_split, cfg.transfer_field_map or cfg.field_map,
                                 cfg.transfer_max_samples, extra_fields=extra)
         for i, r in enumerate(transfer):
-            r["index"] = len(records) + i  # after the labelled ids: one teacher-cache key space
+            r["index"] = len(records) + i  # after the labelled ids: one teacher-cache id space
     collator = DistillCollator(tokenizer, cfg.max_length, cfg.prompt_template, cfg.use_chat_template, views,
                                cfg.student_input, transfer, cfg.transfer_batch_size, cfg.seed)
-    teacher_set = TeacherSet(teachers, cfg.device, offload=cfg.teacher_offload, cache=cfg.teacher_cache)
+    return RunInputs(tokenizer, student, records, transfer, teachers, specs, collator)
+
+
+def wants_logits(cfg: KVDistillConfig, teacher: Teacher) -> bool:
+    """Logit KD reads the logits of teachers that share the student's tokens."""
+    return cfg.logit_kd_weight > 0 and teacher.shares_student_tokens
+
+
+def teacher_batches(run: RunInputs, batch_size: int):
+    """Every record (labelled, then transfer) in order, collated without transfer draws."""
+    plain = replace(run.collator, transfer=())
+    every = [*run.records, *run.transfer]
+    for start in range(0, len(every), batch_size):
+        yield plain(every[start : start + batch_size])
+
+
+def capture_settings(cfg: KVDistillConfig, run: RunInputs, teacher: Teacher, spec: TeacherConfig) -> dict:
+    """What a teacher's capture depends on: equal settings <=> the stored tensors are this run's."""
+    weights = weights_fingerprint(spec.path)
+    if cfg.teacher_control == "untrained":
+        weights += f":untrained:{cfg.seed}"
+
+    def ids():
+        for batch in teacher_batches(run, 256):
+            src = batch.get("teacher_inputs", {}).get(teacher.name, batch)
+            yield src["input_ids"].masked_fill(src["attention_mask"] == 0, -1)
+
+    return {
+        "teacher": teacher.name, "config_hash": teacher.config_hash, "weights": weights,
+        "tokenizer": tokenizer_hash(teacher.tokenizer), "tokens": token_hash(ids()),
+        "records": len(run.records) + len(run.transfer), "max_length": cfg.max_length, "key_space": cfg.key_space,
+        "dtype": str(spec.dtype), "quantization": spec.quantization, "capture_dtype": cfg.capture_dtype,
+        "hidden_states": cfg.codi_weight > 0, "logits": wants_logits(cfg, teacher),
+    }
+
+
+def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
+    """Load everything the config names and wire it into a `KVDistillTrainer`."""
+    run = load_run(cfg, teacher_weights=not cfg.teacher_capture)
+    tokenizer, student, records, teachers, specs = run.tokenizer, run.student, run.records, run.teachers, run.specs
+    collator = run.collator
+    teacher_set = TeacherSet(teachers, cfg.device, offload=cfg.teacher_offload,
+                             cache=cfg.teacher_cache or bool(cfg.teacher_capture))
+    if cfg.teacher_capture and teachers:
+        for t, s in zip(teachers, specs):
+            train_key = (t.name, cfg.key_space, cfg.codi_weight > 0, wants_logits(cfg, t))
+            n = load_capture(Path(cfg.teacher_capture) / t.name, capture_settings(cfg, run, t, s), teacher_set.cache,
+                             keys=[train_key, (t.name, cfg.key_space, False, False)])
+            logger.info("teacher %s: %d records read from the capture in %s", t.name, n, cfg.teacher_capture)
 
     # size the aligners from one probe batch (dims are read from the caches, so any pair works)
     aligners, layer_maps, codi_dims = {}, {}, {}
@@ -148,7 +214,7 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
             src = probe.get("teacher_inputs", {}).get(t.name, probe)
             tkv, _ = teacher_set.forward(t.name, *(src[k].to(cfg.device) for k in ("input_ids", "attention_mask",
                                                                                        "segment_ids")),
-                                         key_space=cfg.key_space)
+                                         key_space=cfg.key_space, index=probe["index"] if cfg.teacher_capture else None)
             layer_maps[t.name] = _layer_map(cfg, s, student, t.model)
             aligner = KVAligner(
                 mode=cfg.head_mode, time_mode=cfg.time_mode, layer_map=layer_maps[t.name],

@@ -140,6 +140,10 @@ class KVDistillConfig(TrainingArguments):
     teacher_offload: bool = option(False, "Keep teachers on CPU; move one at a time to the device for its forward.")
     teacher_cache: bool = option(False, "Keep every training record's teacher outputs in CPU memory, so each "
                                  "teacher runs once per record (many epochs over a small dataset).")
+    teacher_capture: str | None = option(None, "Directory of a `kvdistill capture` made with this config: every "
+                                         "teacher's outputs are read from it and no teacher weights are loaded. "
+                                         "A capture of other data, tokenizer, max_length or teacher is refused.")
+    capture_dtype: str = option("fp32", "dtype `kvdistill capture` stores the teacher cache in: fp32 | bf16 | fp16.")
     teacher_control: str = option("none", f"Control run {TEACHER_CONTROLS}: untrained = random-init copies of the "
                                   "teachers; shuffled = each sample gets another sample's teacher (a derangement "
                                   "within the batch). A gain must beat both to count as knowledge transfer.")
@@ -244,6 +248,10 @@ class KVDistillConfig(TrainingArguments):
         if self.transfer_data and self.fusion == "correctness":
             raise ConfigError("fusion: correctness weighs teachers by their answers to the labelled records; the "
                               "transfer set has no gold answers: use fusion loss_sum or learned with transfer_data")
+        check_choice("capture_dtype", self.capture_dtype, ("fp32", "bf16", "fp16"))
+        if self.teacher_capture and self.fusion == "correctness":
+            raise ConfigError("fusion: correctness lets each teacher answer the questions, which a captured teacher "
+                              "(no weights) cannot; use loss_sum or learned with teacher_capture")
         if self.kv_loss == "structural" and self.head_mode != "structured":
             raise ConfigError("kv_loss: structural compares heads; it needs head_mode: structured")
         if self.fusion == "kv_mean" and self.direction != "teacher_to_student":
@@ -298,6 +306,7 @@ def _is_model_ref(ref: str) -> bool:
     return not ref.startswith((".", "/", "~")) and ref.count("/") <= 1
 
 
-def parse_config(argv: list[str] | None = None) -> KVDistillConfig:
+def parse_config(argv: list[str] | None = None, prog: str = "kvdistill train",
+                 description: str = DESCRIPTION) -> KVDistillConfig:
     """`--config x.yaml` plus `--key value` overrides -> `KVDistillConfig` (CLI wins over YAML)."""
-    return parse_command_config(KVDistillConfig, argv, "kvdistill train", DESCRIPTION, first=TrainingArguments)
+    return parse_command_config(KVDistillConfig, argv, prog, description, first=TrainingArguments)

@@ -1,0 +1,195 @@
+"""Offline teacher-KV capture: a teacher's cache over a run's records, stored once, read by training.
+
+Layout of a capture directory (one per run config, `teacher_capture: DIR`)::
+
+    DIR/<teacher name>/manifest.json          settings, fingerprints, shard list, complete flag
+    DIR/<teacher name>/shard-00000.safetensors
+
+A shard holds the records of consecutive batches, time-major and unpadded, concatenated over
+records: `keys`, `values` `[sum T_i, L, H, D]`, `segment_ids` `[sum T_i]`, optional `hidden_states`
+`[sum T_i, L+1, d]` and `logits` `[sum T_i, V]`, with `index` `[n]` (record ids) and `offsets`
+`[n + 1]` (where each record starts). These are exactly the `TeacherCache` entries of a live run,
+so a run that reads a capture sees the same tensors as one that ran the teacher (in the stored
+dtype). Shards are written to a temp name and renamed; the manifest is rewritten after every
+shard and says `complete: true` only after the last, so a killed capture is resumed shard by
+shard and an incomplete one is never used.
+
+Bytes per token per teacher: 2 (K and V) × L × H_kv × D × bytes per value, e.g. Qwen2-7B
+(L 28, H_kv 4, D 128) in bf16: 2 × 28 × 4 × 128 × 2 = 57,344 B = 56 KiB per token, 28 MiB per
+512-token sample (+ 2 × d × (L+1) per token for hidden states, V × bytes for logits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from kvdistill.config import ConfigError
+from kvdistill.io import read_json, write_json_atomic
+from kvdistill.teachers import TeacherCache
+
+MANIFEST = "manifest.json"
+CAPTURE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_FLOAT_FIELDS = ("keys", "values", "hidden_states", "logits")
+_FINGERPRINT_BYTES = 16 << 20  # head and tail of each weight file
+
+
+class CaptureError(ConfigError):
+    """A capture that does not match the run, or is incomplete; the message names the fix."""
+
+
+def weights_fingerprint(path: str | os.PathLike) -> str:
+    """A hash of a model's weight files: names, sizes, and their first and last 16 MiB.
+
+    Reads at most 32 MiB per file, so a 7B teacher is fingerprinted in a second; two trainings
+    of one architecture differ in every byte, so they never share a fingerprint.
+    """
+    files = _weight_files(path)
+    if not files:
+        raise CaptureError(f"no weight files (*.safetensors / *.bin) found for teacher {path}")
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(_FINGERPRINT_BYTES))
+            if size > 2 * _FINGERPRINT_BYTES:
+                fh.seek(-_FINGERPRINT_BYTES, os.SEEK_END)
+                h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def _weight_files(path: str | os.PathLike) -> list[Path]:
+    p = Path(path)
+    if not p.is_dir():  # a Hub id: its snapshot in the local cache
+        from huggingface_hub import snapshot_download
+
+        try:
+            p = Path(snapshot_download(str(path), local_files_only=True))
+        except Exception:  # not cached: nothing to fingerprint
+            return []
+    return sorted([*p.glob("*.safetensors"), *p.glob("*.bin")])
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """A hash of a tokenizer's vocabulary and class."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), separators=(",", ":"))
+    return hashlib.sha256(f"{type(tokenizer).__name__}:{vocab}".encode()).hexdigest()[:16]
+
+
+def token_hash(batches: Iterable[Tensor]) -> str:
+    """A hash of every record's teacher input ids, in record order (`[B, T]` right-padded batches
+    with their attention masks applied by the caller)."""
+    h = hashlib.sha256()
+    for ids in batches:
+        h.update(ids.to(torch.int64).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def write_shard(path: Path, entries: list[tuple[int, dict[str, Tensor]]], dtype: torch.dtype) -> None:
+    """Write `(record id, TeacherCache entry)` pairs as one shard (temp file, then rename)."""
+    lengths = [e["segment_ids"].shape[0] for _, e in entries]
+    tensors = {
+        "index": torch.tensor([i for i, _ in entries], dtype=torch.int64),  # [n]
+        "offsets": torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0),  # [n + 1]
+        "segment_ids": torch.cat([e["segment_ids"] for _, e in entries]).to(torch.int8),  # [sum T]
+    }
+    for field in _FLOAT_FIELDS:
+        if field in entries[0][1]:
+            tensors[field] = torch.cat([e[field] for _, e in entries]).to(dtype).contiguous()  # [sum T, ...]
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+class CaptureWriter:
+    """Shards and manifest of one teacher's capture; resumes a partial capture with equal settings."""
+
+    def __init__(self, root: Path, settings: Mapping[str, Any]):
+        self.root = root
+        self.settings = dict(settings)
+        root.mkdir(parents=True, exist_ok=True)
+        old = read_json(root / MANIFEST, None)
+        if old is not None and old["settings"] != self.settings:
+            raise CaptureError(f"{root} holds a capture with other settings ({_diff(old['settings'], self.settings)} "
+                               "differ); delete it or set another teacher_capture")
+        self.shards: list[str] = [] if old is None else list(old["shards"])
+
+    def done(self, k: int) -> bool:
+        """Shard `k` was written by an earlier (killed) run with the same settings."""
+        return k < len(self.shards) and (self.root / self.shards[k]).exists()
+
+    def add(self, k: int, entries: list[tuple[int, dict[str, Tensor]]]) -> None:
+        name = f"shard-{k:05d}.safetensors"
+        write_shard(self.root / name, entries, CAPTURE_DTYPES[self.settings["capture_dtype"]])
+        self.shards = [*self.shards[:k], name]
+        self._write_manifest(complete=False)
+
+    def finish(self, n_records: int, teacher_dtype: str) -> None:
+        """Mark the capture complete; `teacher_dtype` (fp32/bf16/fp16) is what a reader casts back to."""
+        self._write_manifest(complete=True, n_records=n_records, teacher_dtype=teacher_dtype)
+
+    def _write_manifest(self, complete: bool, **extra: Any) -> None:
+        write_json_atomic(self.root / MANIFEST, {"settings": self.settings, "shards": self.shards,
+                                                  "complete": complete, **extra})
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_manifest(root: Path, settings: Mapping[str, Any]) -> dict:
+    """The manifest of a complete capture made with `settings`, else a `CaptureError` naming why."""
+    manifest = read_json(root / MANIFEST, None)
+    if manifest is None:
+        raise CaptureError(f"no capture at {root} ({MANIFEST} missing); run `kvdistill capture` with this "
+                           "run's config first")
+    if not manifest.get("complete"):
+        raise CaptureError(f"capture {root} is incomplete ({len(manifest['shards'])} shards written); rerun "
+                           "`kvdistill capture` with the same config to finish it")
+    if manifest["settings"] != dict(settings):
+        raise CaptureError(f"capture {root} does not match this run: {_diff(manifest['settings'], settings)} "
+                           "differ; capture again for this run (or fix the run's config)")
+    return manifest
+
+
+def load_capture(root: Path, settings: Mapping[str, Any], cache: TeacherCache, keys: list[tuple]) -> int:
+    """Fill `cache` under each of `keys` with every record of the capture at `root` (one entry,
+    shared); returns the record count.
+
+    Tensors are read through safetensors' memory map and cast back to the teacher's own dtype,
+    so the training code sees what a live teacher would have given (rounded to the stored dtype).
+    """
+    manifest = read_manifest(root, settings)
+    live = CAPTURE_DTYPES[manifest["teacher_dtype"]]
+    n = 0
+    for name in manifest["shards"]:
+        with safe_open(str(root / name), framework="pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        starts = t["offsets"].tolist()
+        for j, i in enumerate(t["index"].tolist()):
+            a, b = starts[j], starts[j + 1]
+            entry = {"segment_ids": t["segment_ids"][a:b].long()}
+            entry.update({f: t[f][a:b].to(live) for f in _FLOAT_FIELDS if f in t})
+            for key in keys:
+                cache.store[(*key, i)] = entry
+            n += 1
+    if n != manifest["n_records"]:
+        raise CaptureError(f"capture {root} holds {n} records, its manifest says {manifest['n_records']}; "
+                           "capture again")
+    return n
+
+
+def _diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+    return ", ".join(sorted(k for k in {*a, *b} if a.get(k) != b.get(k)))

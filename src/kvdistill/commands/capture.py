@@ -1,0 +1,79 @@
+"""`kvdistill capture`: run every teacher once over a run's records and store its KV cache.
+
+    kvdistill capture --config train.yaml --teacher_capture captures/run1 [--capture_dtype bf16]
+
+It reads the training config itself (the file `kvdistill train` reads), so the capture holds
+exactly the teacher outputs that run needs: its labelled records and transfer set, each
+teacher's tokenisation, key space, hidden states (CODI) and logits (logit KD). Training with the
+same config and `teacher_capture: DIR` then loads no teacher weights, and its losses equal the
+live-teacher run's up to float rounding in an fp32 capture (tested to 1e-5). A capture whose data, tokenizer, max_length, teacher
+weights or settings differ from the run is refused with the differing fields named; a killed
+capture resumes at its first missing shard. Format and bytes per token: `kvdistill/capture.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from kvdistill.capture import CaptureWriter
+from kvdistill.commands.train import capture_settings, load_run, teacher_batches, wants_logits
+from kvdistill.config import ConfigError
+from kvdistill.models import DTYPES
+from kvdistill.teachers import TeacherSet
+from kvdistill.train.config import KVDistillConfig, parse_config
+
+logger = logging.getLogger(__name__)
+SHARD_RECORDS = 1024  # records per shard: a killed capture loses at most this many
+
+
+def run_capture(cfg: KVDistillConfig, log=print) -> Path:
+    """Capture every teacher of `cfg` into `cfg.teacher_capture`; returns that directory."""
+    if not cfg.teacher_capture:
+        raise ConfigError("set --teacher_capture DIR: where the capture is written")
+    run = load_run(cfg)
+    if not run.teachers:
+        raise ConfigError("nothing to capture: the config has no teachers, or no teacher signal "
+                          "(kv_weight, logit_kd_weight, codi_weight all 0)")
+    root = Path(cfg.teacher_capture)
+    teachers = TeacherSet(run.teachers, cfg.device, offload=cfg.teacher_offload, cache=True)
+    n = len(run.records) + len(run.transfer)
+    batch_size = cfg.per_device_train_batch_size
+    per_shard = max(SHARD_RECORDS // batch_size, 1)  # batches per shard
+    for t, spec in zip(run.teachers, run.specs):
+        writer = CaptureWriter(root / t.name, capture_settings(cfg, run, t, spec))
+        key = (t.name, cfg.key_space, cfg.codi_weight > 0, wants_logits(cfg, t))
+        t0, shard, entries = time.time(), 0, []
+        batches = list(teacher_batches(run, batch_size))
+        for j, batch in enumerate(tqdm(batches, desc=f"capture {t.name}", unit="batch", disable=None)):
+            if not writer.done(shard):
+                src = batch.get("teacher_inputs", {}).get(t.name, batch)
+                teachers.forward(t.name, *(src[k].to(cfg.device) for k in ("input_ids", "attention_mask",
+                                                                            "segment_ids")),
+                                 key_space=cfg.key_space, output_hidden_states=key[2], return_logits=key[3],
+                                 index=batch["index"])
+                entries += [(int(i), teachers.cache.store.pop((*key, int(i)))) for i in batch["index"]]
+            if (j + 1) % per_shard == 0 or j + 1 == len(batches):
+                if entries:
+                    writer.add(shard, entries)
+                shard, entries = shard + 1, []
+        writer.finish(n, _dtype_name(t.model.dtype))
+        size = sum(f.stat().st_size for f in (root / t.name).glob("*.safetensors"))
+        tokens = sum(int(b.get("teacher_inputs", {}).get(t.name, b)["attention_mask"].sum()) for b in batches)
+        log(f"{t.name}: {n} records, {tokens} tokens, {size / 2**20:.1f} MiB ({size / max(tokens, 1):,.0f} bytes "
+            f"per token, {cfg.capture_dtype}) in {time.time() - t0:.1f} s -> {root / t.name}")
+    return root
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype and name in ("fp32", "bf16", "fp16"))
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(argv, prog="kvdistill capture", description=__doc__)
+    run_capture(cfg)
+    return 0
