@@ -27,3 +27,26 @@ def test_ruff_is_clean():
     res = subprocess.run([_tool("ruff"), "check", "src", "tests", "benchmarks"], cwd=ROOT, capture_output=True,
                          text=True)
     assert res.returncode == 0, res.stdout[-3000:]
+
+
+UNSAFE_LOADERS = {
+    r"\btorch\.load\((?![^)]*weights_only\s*=\s*True)": "torch.load without weights_only=True unpickles code",
+    r"\byaml\.(unsafe_)?load\(": "yaml.load builds arbitrary objects; use yaml.safe_load",
+    r"\bpickle\.loads?\(": "pickle runs code from the file",
+    r"(?<![.\w])(eval|exec)\(": "eval/exec of text",
+}
+
+
+def test_no_unsafe_loaders_in_the_package():
+    """Run dirs, layer maps and captures are read as safetensors / JSON / YAML only."""
+    import re
+
+    found = []
+    for path in sorted((ROOT / "src" / "kvdistill").rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for pattern, why in UNSAFE_LOADERS.items():
+                if re.search(pattern, line.split("#", 1)[0]):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {why}")
+    assert not found, "\n".join(found)
+    assert re.search(next(iter(UNSAFE_LOADERS)), "x = torch.load(f)")  # the scan can fail
+    assert not re.search(next(iter(UNSAFE_LOADERS)), "x = torch.load(f, weights_only=True)")
