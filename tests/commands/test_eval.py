@@ -3,7 +3,10 @@
 import json
 import math
 
+import pytest
+
 from kvdistill.commands.eval import main, resolve_model_dir
+from kvdistill.config import ConfigError
 from kvdistill.evaluate.scoring import (
     read_items,
 )
@@ -74,3 +77,10 @@ def test_kvdistill_run_dir_uses_its_training_template(tiny_world, tmp_path):
     )
     assert out["template"] == "Q: {question}\nA:" and out["stop_strings"] == ["\nQ:"]
     assert out["chat_template"] is False  # "auto" and the tokenizer has none
+
+
+@pytest.mark.parametrize("flag, value", [("--limit", "0"), ("--limit", "-5"), ("--batch_size", "0"),
+                                         ("--max_new_tokens", "0")])
+def test_eval_refuses_non_positive_sizes(flag, value):
+    with pytest.raises(ConfigError, match=f"{flag} must be >= 1"):
+        main(["--model", "some/model", flag, value])

@@ -333,6 +333,12 @@ def test_privileged_short_rationale_slots_per_teacher(base_args, tiny_world, met
     ({"transfer_batch_size": -1}, "transfer_batch_size"),
     ({"transfer_field_map": "gsm9k"}, "not a known name"),
     ({"teacher_control": "random"}, "teacher_control"),
+    ({"teacher_capture": "x", "fusion": "correctness"}, "captured teacher"),
+    ({"capture_dtype": "int8"}, "capture_dtype"),
+    ({"max_length": 0}, "max_length 0 leaves no room"),
+    ({"max_steps": 0}, "max_steps 0 would still run one step"),
+    ({"fp16": True}, "fp16 mixed precision needs a CUDA GPU"),
+    ({"teachers": "[{path: /tmp/t, name: a}, {path: /tmp/t, name: b, weight: 2}]"}, "listed twice"),
 ])
 def test_kv_signal_config_errors(base_args, overrides, match):
     with pytest.raises(ConfigError, match=match):

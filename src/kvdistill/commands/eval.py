@@ -49,6 +49,11 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("no model: pass --model <hub id, model dir or kvdistill run dir>")
+        for key in ("limit", "batch_size", "max_new_tokens", "max_length"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{key} must be >= 1, got {value}" + (" (leave it out for all questions)"
+                                                                         if key == "limit" else ""))
         if self.chat_template is not None:
             check_choice("chat_template", self.chat_template, CHAT_MODES)
         self.field_map = to_plain(self.field_map)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from transformers import TrainingArguments
 
@@ -206,6 +207,22 @@ class KVDistillConfig(TrainingArguments):
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.student is None:
             raise ConfigError("no student: set `student: <hub id or local dir>`")
+        if self.max_length < 8:
+            raise ConfigError(f"max_length {self.max_length} leaves no room for a question and its answer; set "
+                              "max_length >= 8 (512 is the default)")
+        if self.max_steps == 0:
+            raise ConfigError("max_steps 0 would still run one step; set max_steps >= 1, or -1 to train "
+                              "num_train_epochs epochs")
+        if self.fp16 and (self.use_cpu or not torch.cuda.is_available()):
+            raise ConfigError("fp16 mixed precision needs a CUDA GPU (on CPU it would be silently ignored); drop "
+                              "--fp16, or use --bf16 on CPU")
+        # one model read the same way twice is one teacher counted twice (another rationale is not)
+        views = [(str(Path(str(t.path)).resolve()) if Path(str(t.path)).exists() else str(t.path), t.tokenizer,
+                  t.rationale_field, t.dtype, t.quantization) for t in self.teacher_configs]
+        repeated = [v[0] for v in views if views.count(v) > 1]
+        if repeated:
+            raise ConfigError(f"teacher {repeated[0]} is listed twice with the same settings; list it once (its "
+                              "`weight` sets how much it counts)")
         if self.ce_weight == 0 and not self.allow_kv_only:
             raise ConfigError(
                 "ce_weight=0 trains on the KV loss alone, which can collapse to a high cos-sim that teaches "
