@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvdistill.commands.bench", "benchmarks: alignment, CKA and step overhead -> JSON + Markdown"),
     "gen-data": ("kvdistill.commands.gen_data", "write a synthetic GSM8K-format arithmetic dataset (jsonl)"),
     "smoke": ("kvdistill.commands.smoke", "build the tiny offline fixtures and print their KV shapes"),
+    "dry-run": ("kvdistill.commands.dry_run", "meta-device dry run: params, KV shapes, aligners, GPU memory of a config"),
 }
 
 

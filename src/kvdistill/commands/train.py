@@ -16,7 +16,7 @@ import torch
 from accelerate import PartialState
 from transformers import set_seed
 
-from kvdistill.align.aligner import KVAligner
+from kvdistill.align.aligner import KVAligner, cache_dims
 from kvdistill.align.layer_map import build_layer_map
 from kvdistill.cache import SEGMENT_NAMES, extract_kv
 from kvdistill.capture import load_capture, token_hash, tokenizer_hash, weights_fingerprint
@@ -56,13 +56,26 @@ def _kv_loss(cfg: KVDistillConfig):
     return build_kv_loss(cfg.kv_loss, **kwargs)
 
 
-def _check_relation_heads(cfg: KVDistillConfig, name: str, tkv, skv) -> None:
-    """Each side's H*D must split into `relation_heads` chunks: say so before training starts."""
-    for side, kv in (("student", skv), (f"teacher {name}", tkv)):
-        F = kv.num_heads * kv.head_dim
+def check_relation_heads(cfg: KVDistillConfig, name: str, dims: dict[str, int]) -> None:
+    """kv_loss relation splits each side's H*D (`cache_dims`) into `relation_heads` chunks: say so
+    before training starts."""
+    for side in ("student", "teacher"):
+        F = dims[f"{side}_heads"] * dims[f"{side}_key_dim"]
         if F % cfg.relation_heads:
-            raise ConfigError(f"relation_heads={cfg.relation_heads} does not divide the {side}'s H*D = {F}; "
-                              f"pick a divisor of {F}")
+            raise ConfigError(f"relation_heads={cfg.relation_heads} does not divide the {side}'s H*D = {F} "
+                              f"(teacher {name}); pick a divisor of {F}")
+
+
+def make_aligner(cfg: KVDistillConfig, spec: TeacherConfig, layer_map: torch.Tensor) -> KVAligner:
+    """One teacher's aligner with the run's options (the teacher's own projector options win)."""
+    return KVAligner(
+        mode=cfg.head_mode, time_mode=cfg.time_mode, layer_map=layer_map,
+        projector="none" if cfg.kv_loss == "relation" else (spec.projector or cfg.projector),
+        mlp_ratio=spec.mlp_ratio if spec.mlp_ratio is not None else cfg.mlp_ratio,
+        dropout=spec.projector_dropout if spec.projector_dropout is not None else cfg.projector_dropout,
+        init=spec.projector_init or cfg.projector_init, share_layers=cfg.share_layers, direction=cfg.direction,
+        trainable=cfg.projector_trainable,
+    )
 
 
 def _kv_segments(cfg: KVDistillConfig) -> tuple[int, ...]:
@@ -216,17 +229,10 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
                                                                                        "segment_ids")),
                                          key_space=cfg.key_space, index=probe["index"] if cfg.teacher_capture else None)
             layer_maps[t.name] = _layer_map(cfg, s, student, t.model)
-            aligner = KVAligner(
-                mode=cfg.head_mode, time_mode=cfg.time_mode, layer_map=layer_maps[t.name],
-                projector="none" if cfg.kv_loss == "relation" else (s.projector or cfg.projector),
-                mlp_ratio=s.mlp_ratio if s.mlp_ratio is not None else cfg.mlp_ratio,
-                dropout=s.projector_dropout if s.projector_dropout is not None else cfg.projector_dropout,
-                init=s.projector_init or cfg.projector_init, share_layers=cfg.share_layers, direction=cfg.direction,
-                trainable=cfg.projector_trainable,
-            )
+            aligner = make_aligner(cfg, s, layer_maps[t.name])
             aligner.setup(tkv, skv)
             if cfg.kv_loss == "relation":
-                _check_relation_heads(cfg, t.name, tkv, skv)
+                check_relation_heads(cfg, t.name, cache_dims(tkv, skv))
             aligners[t.name] = aligner
             if cfg.codi_weight > 0:
                 codi_dims[t.name] = (t.model.config.hidden_size, student.config.hidden_size)
