@@ -8,11 +8,14 @@
    random-init models of three shapes
 3. teachers trained on the whole pool, one process each; the quality gate stops the demo when
    a teacher is below `gate` accuracy on dev
-4. the student's SFT learning curve on its labelled subset (dev accuracy vs steps) ->
+4. the transfer set: the best teacher answers pool questions the student has no labels for
+   (`kvdistill eval` on them; its items.jsonl is the transfer set)
+5. the student's SFT learning curve on its labelled subset (dev accuracy vs steps) ->
    `sft_curve.png`; the student budget is the first step on the curve's plateau
-5. students at that budget: SFT, logit KD (the positive control) and the KV signal
-   (`configs/demo/student_kv.yaml`), all from the same init and data order
-6. test evaluation -> `report.md`
+6. students at that budget: SFT, logit KD (the positive control) and the KV signal
+   (`configs/demo/student_kv.yaml`), all from the same init and data order; the distilling ones
+   also get the transfer set, with teacher signals only
+7. test evaluation -> `report.md`
 
 Every step is a public command with a config from `configs/demo/`, exactly what a GPU user runs
 with real model names. Finished steps are skipped on a second run (teachers are cached).
@@ -199,7 +202,7 @@ def plateau_step(points: list[tuple[int, float]], share: float = 0.95) -> int:
     return next(s for s, a in points if a >= share * best)
 
 
-def write_report(out: Path, rows: list[dict], curve: dict) -> Path:
+def write_report(out: Path, rows: list[dict], curve: dict, transfer: int) -> Path:
     """`report.md`: the results table, where SFT stands on its curve, the plots."""
     from kvdistill.plots import plot_bars_with_errors
 
@@ -212,8 +215,9 @@ def write_report(out: Path, rows: list[dict], curve: dict) -> Path:
         "# kvdistill demo report", "",
         "Test accuracy on generated 2-step arithmetic problems (greedy decoding, exact match of the final",
         "number), 95 % Wilson interval. Teachers learned from the whole pool; every student from the same",
-        f"{curve['labelled']} labelled problems, the same init and data order, for {curve['budget']} steps. "
-        "All numbers are read from the eval files.", "",
+        f"{curve['labelled']} labelled problems, the same init and data order, for {curve['budget']} steps; the "
+        f"distilling students (logit KD, KV) also read a transfer set of {transfer} pool questions answered by "
+        f"{TRANSFER_TEACHER}, with teacher signals only (no LM loss). All numbers are read from the eval files.", "",
         "| model | params | accuracy | 95 % CI | final agreement |",
         "|---|---:|---:|---:|---:|",
     ]
@@ -313,7 +317,7 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
                  f"relation KL {final['relation_kl']:.4f}" if final.get("relation_kl") is not None else None)
         rows.append({"model": name, "params": _params(path), "accuracy": s["accuracy"], "ci_low": s["ci_low"],
                      "ci_high": s["ci_high"], "agreement": agree if name == "student_kv" else None})
-    report = write_report(out, rows, curve)
+    report = write_report(out, rows, curve, sizes.transfer)
     print("\n" + report.read_text().split("\n\n![")[0])
     print(f"\nreport: {report}  ({time.time() - t0:.0f} s)")
     return report
