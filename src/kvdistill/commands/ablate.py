@@ -593,8 +593,9 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
         name, ref = cfg.primary
         if runs[name] and runs[ref]:
             primary = {"variant": name, "reference": ref, **compare(runs[name], runs[ref], cfg.n_resamples)}
-    environments = {str(r["environment"]) for per_seed in runs.values() for r in per_seed.values()
-                    if r.get("environment")}
+    # one entry per distinct software/hardware setup (the run dates differ, the setup rarely does)
+    environments = {json.dumps({k: v for k, v in r["environment"].items() if k != "date"}, sort_keys=True)
+                    for per_seed in runs.values() for r in per_seed.values() if r.get("environment")}
     return {
         "baseline": cfg.baseline,
         "seeds": cfg.seeds,
@@ -604,7 +605,7 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
         "n_resamples": cfg.n_resamples,
         "primary": primary,
         "threads": cfg.threads,
-        "environments": sorted(environments),
+        "environments": [json.loads(e) for e in sorted(environments)],
         "variants": variants,
         "_curves": {name: {s: r["metrics"] for s, r in per_seed.items()} for name, per_seed in runs.items()},
     }
@@ -715,7 +716,8 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
     for name, row in report["variants"].items():
         lines.append(f"- **{row['label']}** (`{name}`): `{json.dumps(row['overrides'], sort_keys=True)}`")
     if report.get("environments"):
-        lines += ["", "Environment of the runs: " + "; ".join(f"`{e}`" for e in report["environments"])]
+        lines += ["", "Environment of the runs: " + "; ".join(
+            "`" + ", ".join(f"{k} {v}" for k, v in e.items()) + "`" for e in report["environments"])]
     if plots:
         lines += ["", "## Plots", ""]
         for title, fname in plots.items():
