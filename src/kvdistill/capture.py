@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,13 +86,10 @@ def tokenizer_hash(tokenizer: Any) -> str:
     return hashlib.sha256(f"{type(tokenizer).__name__}:{vocab}".encode()).hexdigest()[:16]
 
 
-def token_hash(batches: Iterable[Tensor]) -> str:
-    """A hash of every record's teacher input ids, in record order (`[B, T]` right-padded batches
-    with their attention masks applied by the caller)."""
-    h = hashlib.sha256()
-    for ids in batches:
-        h.update(ids.to(torch.int64).numpy().tobytes())
-    return h.hexdigest()[:16]
+def update_token_hash(h: Any, ids: Tensor) -> None:
+    """Add a batch of teacher input ids to the running hash `h` (hashlib): `[B, T]` right-padded,
+    padding set to -1 by the caller; batches are fed in record order, 256 records each."""
+    h.update(ids.to(torch.int64).numpy().tobytes())
 
 
 # ----------------------------------------------------------------------------- writing
@@ -164,9 +161,8 @@ def read_manifest(root: Path, settings: Mapping[str, Any]) -> dict:
     return manifest
 
 
-def load_capture(root: Path, settings: Mapping[str, Any], cache: TeacherCache, keys: list[tuple]) -> int:
-    """Fill `cache` under each of `keys` with every record of the capture at `root` (one entry,
-    shared); returns the record count.
+def load_capture(root: Path, settings: Mapping[str, Any], cache: TeacherCache, key: tuple) -> int:
+    """Fill `cache` under `key` with every record of the capture at `root`; returns the record count.
 
     Tensors are read through safetensors' memory map and cast back to the teacher's own dtype,
     so the training code sees what a live teacher would have given (rounded to the stored dtype).
@@ -182,8 +178,7 @@ def load_capture(root: Path, settings: Mapping[str, Any], cache: TeacherCache, k
             a, b = starts[j], starts[j + 1]
             entry = {"segment_ids": t["segment_ids"][a:b].long()}
             entry.update({f: t[f][a:b].to(live) for f in _FLOAT_FIELDS if f in t})
-            for key in keys:
-                cache.store[(*key, i)] = entry
+            cache.store[(*key, i)] = entry
             n += 1
     if n != manifest["n_records"]:
         raise CaptureError(f"capture {root} holds {n} records, its manifest says {manifest['n_records']}; "

@@ -198,7 +198,7 @@ class TeacherSet:
         With the cache on and the records' ids `index [B]` given, records seen before are read from
         memory; a batch with any new record runs the teacher and stores every record of it.
         """
-        key = (name, key_space, output_hidden_states, return_logits)
+        key = self.cache_key(name, key_space, output_hidden_states, return_logits)
         if self.cache is not None and index is not None:
             if self.cache.has(key, index):
                 return self.cache.get(key, index, input_ids.device)
@@ -213,6 +213,11 @@ class TeacherSet:
             return kv, logits
         return self._forward(name, input_ids, attention_mask, segment_ids, key_space, output_hidden_states,
                              return_logits)
+
+    @staticmethod
+    def cache_key(name: str, key_space: KeySpace, output_hidden_states: bool, return_logits: bool) -> tuple:
+        """The `TeacherCache` key of one teacher's outputs of one kind (a capture fills the same key)."""
+        return (name, key_space, output_hidden_states, return_logits)
 
     def _forward(self, name, input_ids, attention_mask, segment_ids, key_space, output_hidden_states,
                  return_logits) -> tuple[KVCache, Tensor | None]:

@@ -14,6 +14,7 @@ capture resumes at its first missing shard. Format and bytes per token: `kvdisti
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvdistill.capture import CaptureWriter
-from kvdistill.commands.train import capture_settings, load_run, teacher_batches, wants_logits
+from kvdistill.commands.train import cache_key, capture_settings, load_run, teacher_batches, teacher_view
 from kvdistill.config import ConfigError
 from kvdistill.models import DTYPES
 from kvdistill.teachers import TeacherSet
@@ -32,7 +33,11 @@ SHARD_RECORDS = 1024  # records per shard: a killed capture loses at most this m
 
 
 def run_capture(cfg: KVDistillConfig, log=print) -> Path:
-    """Capture every teacher of `cfg` into `cfg.teacher_capture`; returns that directory."""
+    """Capture every teacher of `cfg` into `cfg.teacher_capture`; returns that directory.
+
+    One pass over the records: each batch is collated once and every teacher runs on it; every
+    `SHARD_RECORDS` records each teacher's entries go to its next shard.
+    """
     if not cfg.teacher_capture:
         raise ConfigError("set --teacher_capture DIR: where the capture is written")
     run = load_run(cfg)
@@ -41,31 +46,39 @@ def run_capture(cfg: KVDistillConfig, log=print) -> Path:
                           "(kv_weight, logit_kd_weight, codi_weight all 0)")
     root = Path(cfg.teacher_capture)
     teachers = TeacherSet(run.teachers, cfg.device, offload=cfg.teacher_offload, cache=True)
+    settings = capture_settings(cfg, run)
+    writers = {t.name: CaptureWriter(root / t.name, settings[t.name]) for t in run.teachers}
+    keys = {t.name: cache_key(cfg, t) for t in run.teachers}
     n = len(run.records) + len(run.transfer)
     batch_size = cfg.per_device_train_batch_size
     per_shard = max(SHARD_RECORDS // batch_size, 1)  # batches per shard
-    for t, spec in zip(run.teachers, run.specs):
-        writer = CaptureWriter(root / t.name, capture_settings(cfg, run, t, spec))
-        key = (t.name, cfg.key_space, cfg.codi_weight > 0, wants_logits(cfg, t))
-        t0, shard, entries = time.time(), 0, []
-        batches = list(teacher_batches(run, batch_size))
-        for j, batch in enumerate(tqdm(batches, desc=f"capture {t.name}", unit="batch", disable=None)):
-            if not writer.done(shard):
-                src = batch.get("teacher_inputs", {}).get(t.name, batch)
-                teachers.forward(t.name, *(src[k].to(cfg.device) for k in ("input_ids", "attention_mask",
-                                                                            "segment_ids")),
-                                 key_space=cfg.key_space, output_hidden_states=key[2], return_logits=key[3],
-                                 index=batch["index"])
-                entries += [(int(i), teachers.cache.store.pop((*key, int(i)))) for i in batch["index"]]
-            if (j + 1) % per_shard == 0 or j + 1 == len(batches):
-                if entries:
-                    writer.add(shard, entries)
-                shard, entries = shard + 1, []
-        writer.finish(n, _dtype_name(t.model.dtype))
+    n_batches = math.ceil(n / batch_size)
+    t0, shard = time.time(), 0
+    entries: dict[str, list] = {name: [] for name in writers}
+    tokens = dict.fromkeys(writers, 0)
+    for j, batch in enumerate(tqdm(teacher_batches(run, batch_size), total=n_batches, desc="capture",
+                                   unit="batch", disable=None)):
+        for t in run.teachers:
+            src = teacher_view(batch, t.name)
+            tokens[t.name] += int(src["attention_mask"].sum())
+            if writers[t.name].done(shard):
+                continue
+            _, key_space, hidden, logits = keys[t.name]
+            teachers.forward(t.name, *(src[k].to(cfg.device) for k in ("input_ids", "attention_mask", "segment_ids")),
+                             key_space=key_space, output_hidden_states=hidden, return_logits=logits,
+                             index=batch["index"])
+            entries[t.name] += [(int(i), teachers.cache.store.pop((*keys[t.name], int(i)))) for i in batch["index"]]
+        if (j + 1) % per_shard == 0 or j + 1 == n_batches:
+            for name, writer in writers.items():
+                if entries[name]:
+                    writer.add(shard, entries[name])
+            shard, entries = shard + 1, {name: [] for name in writers}
+    for t in run.teachers:
+        writers[t.name].finish(n, _dtype_name(t.model.dtype))
         size = sum(f.stat().st_size for f in (root / t.name).glob("*.safetensors"))
-        tokens = sum(int(b.get("teacher_inputs", {}).get(t.name, b)["attention_mask"].sum()) for b in batches)
-        log(f"{t.name}: {n} records, {tokens} tokens, {size / 2**20:.1f} MiB ({size / max(tokens, 1):,.0f} bytes "
-            f"per token, {cfg.capture_dtype}) in {time.time() - t0:.1f} s -> {root / t.name}")
+        log(f"{t.name}: {n} records, {tokens[t.name]} tokens, {size / 2**20:.1f} MiB ({size / max(tokens[t.name], 1):,.0f} "
+            f"bytes per token, {cfg.capture_dtype}) -> {root / t.name}")
+    log(f"captured {len(run.teachers)} teacher(s) in {time.time() - t0:.1f} s")
     return root
 
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, replace
@@ -19,7 +20,7 @@ from transformers import set_seed
 from kvdistill.align.aligner import KVAligner, cache_dims
 from kvdistill.align.layer_map import build_layer_map
 from kvdistill.cache import SEGMENT_NAMES, extract_kv
-from kvdistill.capture import load_capture, token_hash, tokenizer_hash, weights_fingerprint
+from kvdistill.capture import load_capture, tokenizer_hash, update_token_hash, weights_fingerprint
 from kvdistill.config import ConfigError
 from kvdistill.data import DistillCollator, TeacherView, add_latent_token, load_records
 from kvdistill.fusion import TeacherFusion
@@ -169,9 +170,11 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
     return RunInputs(tokenizer, student, records, transfer, teachers, specs, collator)
 
 
-def wants_logits(cfg: KVDistillConfig, teacher: Teacher) -> bool:
-    """Logit KD reads the logits of teachers that share the student's tokens."""
-    return cfg.logit_kd_weight > 0 and teacher.shares_student_tokens
+def cache_key(cfg: KVDistillConfig, teacher: Teacher) -> tuple:
+    """The teacher-cache key of what training reads from `teacher`: KV, hidden states for CODI,
+    logits for logit KD (only from teachers that share the student's tokens)."""
+    logits = cfg.logit_kd_weight > 0 and teacher.shares_student_tokens
+    return TeacherSet.cache_key(teacher.name, cfg.key_space, cfg.codi_weight > 0, logits)
 
 
 def teacher_batches(run: RunInputs, batch_size: int):
@@ -182,24 +185,33 @@ def teacher_batches(run: RunInputs, batch_size: int):
         yield plain(every[start : start + batch_size])
 
 
-def capture_settings(cfg: KVDistillConfig, run: RunInputs, teacher: Teacher, spec: TeacherConfig) -> dict:
-    """What a teacher's capture depends on: equal settings <=> the stored tensors are this run's."""
-    weights = weights_fingerprint(spec.path)
-    if cfg.teacher_control == "untrained":
-        weights += f":untrained:{cfg.seed}"
+def teacher_view(batch: dict, name: str) -> dict:
+    """A teacher's own inputs in a collated batch (its tokenizer / rationale), else the student's."""
+    return batch.get("teacher_inputs", {}).get(name, batch)
 
-    def ids():
-        for batch in teacher_batches(run, 256):
-            src = batch.get("teacher_inputs", {}).get(teacher.name, batch)
-            yield src["input_ids"].masked_fill(src["attention_mask"] == 0, -1)
 
-    return {
-        "teacher": teacher.name, "config_hash": teacher.config_hash, "weights": weights,
-        "tokenizer": tokenizer_hash(teacher.tokenizer), "tokens": token_hash(ids()),
-        "records": len(run.records) + len(run.transfer), "max_length": cfg.max_length, "key_space": cfg.key_space,
-        "dtype": str(spec.dtype), "quantization": spec.quantization, "capture_dtype": cfg.capture_dtype,
-        "hidden_states": cfg.codi_weight > 0, "logits": wants_logits(cfg, teacher),
-    }
+def capture_settings(cfg: KVDistillConfig, run: RunInputs) -> dict[str, dict]:
+    """What each teacher's capture depends on (`{teacher name: settings}`): equal settings <=> the
+    stored tensors are this run's. The records are tokenised once for all teachers."""
+    hashes = {t.name: hashlib.sha256() for t in run.teachers}
+    for batch in teacher_batches(run, 256):
+        for t in run.teachers:
+            src = teacher_view(batch, t.name)
+            update_token_hash(hashes[t.name], src["input_ids"].masked_fill(src["attention_mask"] == 0, -1))
+    settings = {}
+    for t, spec in zip(run.teachers, run.specs):
+        weights = weights_fingerprint(spec.path)
+        if cfg.teacher_control == "untrained":
+            weights += f":untrained:{cfg.seed}"
+        _, _, hidden, logits = cache_key(cfg, t)
+        settings[t.name] = {
+            "teacher": t.name, "config_hash": t.config_hash, "weights": weights,
+            "tokenizer": tokenizer_hash(t.tokenizer), "tokens": hashes[t.name].hexdigest()[:16],
+            "records": len(run.records) + len(run.transfer), "max_length": cfg.max_length, "key_space": cfg.key_space,
+            "dtype": str(spec.dtype), "quantization": spec.quantization, "capture_dtype": cfg.capture_dtype,
+            "hidden_states": hidden, "logits": logits,
+        }
+    return settings
 
 
 def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
@@ -210,10 +222,9 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
     teacher_set = TeacherSet(teachers, cfg.device, offload=cfg.teacher_offload,
                              cache=cfg.teacher_cache or bool(cfg.teacher_capture))
     if cfg.teacher_capture and teachers:
-        for t, s in zip(teachers, specs):
-            train_key = (t.name, cfg.key_space, cfg.codi_weight > 0, wants_logits(cfg, t))
-            n = load_capture(Path(cfg.teacher_capture) / t.name, capture_settings(cfg, run, t, s), teacher_set.cache,
-                             keys=[train_key, (t.name, cfg.key_space, False, False)])
+        settings = capture_settings(cfg, run)
+        for t in teachers:
+            n = load_capture(Path(cfg.teacher_capture) / t.name, settings[t.name], teacher_set.cache, cache_key(cfg, t))
             logger.info("teacher %s: %d records read from the capture in %s", t.name, n, cfg.teacher_capture)
 
     # size the aligners from one probe batch (dims are read from the caches, so any pair works)
@@ -224,10 +235,13 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
         skv = extract_kv(student, probe["input_ids"].to(cfg.device), probe["attention_mask"].to(cfg.device),
                          probe["segment_ids"].to(cfg.device), key_space=cfg.key_space)
         for t, s in zip(teachers, specs):
-            src = probe.get("teacher_inputs", {}).get(t.name, probe)
+            src = teacher_view(probe, t.name)
+            # the outputs training reads (so a captured teacher serves the probe from its capture)
+            _, key_space, hidden, logits = cache_key(cfg, t)
             tkv, _ = teacher_set.forward(t.name, *(src[k].to(cfg.device) for k in ("input_ids", "attention_mask",
                                                                                        "segment_ids")),
-                                         key_space=cfg.key_space, index=probe["index"] if cfg.teacher_capture else None)
+                                         key_space=key_space, output_hidden_states=hidden, return_logits=logits,
+                                         index=probe["index"] if cfg.teacher_capture else None)
             layer_maps[t.name] = _layer_map(cfg, s, student, t.model)
             aligner = make_aligner(cfg, s, layer_maps[t.name])
             aligner.setup(tkv, skv)
