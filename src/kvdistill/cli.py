@@ -33,12 +33,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def user_errors() -> tuple[type[Exception], ...]:
-    """Exceptions that mean bad input, not a bug: reported in one line."""
+    """Exceptions that mean bad input (or a run its input made diverge), not a bug: reported in one line."""
     from kvdistill.config import ConfigError
     from kvdistill.data import DataError
     from kvdistill.models import ModelLoadError
+    from kvdistill.train.trainer import NonFiniteError
 
-    return (ConfigError, DataError, ModelLoadError)
+    return (ConfigError, DataError, ModelLoadError, NonFiniteError)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,16 @@ import pytest
 @pytest.fixture
 def base_args(tiny_world, tmp_path):
     """CLI args for a fast CPU run on the tiny fixtures (override what a test needs)."""
+    return _base_args(tiny_world, tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def module_base_args(tiny_world, tmp_path_factory):
+    """`base_args` for module-scoped fixtures (a reference run shared by a module's tests)."""
+    return _base_args(tiny_world, tmp_path_factory.mktemp("run") / "run")
+
+
+def _base_args(tiny_world, output_dir):
     m = tiny_world.models
 
     def make(**overrides):
@@ -13,7 +23,7 @@ def base_args(tiny_world, tmp_path):
             "student": str(m["student"]),
             "teachers": f"[{{path: {m['qwen2_teacher']}}}]",
             "data": str(tiny_world.data_dir),
-            "output_dir": str(tmp_path / "run"),
+            "output_dir": str(output_dir),
             "max_length": 160,
             "max_steps": 6,
             "per_device_train_batch_size": 4,

@@ -401,7 +401,8 @@ def train_and_evaluate(rdir: str, settings: Mapping[str, Any], train_fn: TrainFn
     """Train one run from its `train_config.yaml` (unless finished) and evaluate it into `eval/`."""
     train_fn, eval_fn, path = train_fn or _default_train, eval_fn or _default_eval, Path(rdir)
     if not (path / "train_summary.json").exists():
-        rc = train_fn(["--config", str(path / "train_config.yaml")])
+        # a run killed mid-training goes on from its newest complete checkpoint (none: from the start)
+        rc = train_fn(["--config", str(path / "train_config.yaml"), "--resume_from_checkpoint", "last"])
         if rc:
             raise RuntimeError(f"training exited with code {rc}")
         if not (path / "train_summary.json").exists():

@@ -29,6 +29,7 @@ from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
 LAYER_MAPS = ("proportional", "last_k", "cka")
 KV_LOSSES = (*LOSSES, "relation")  # relation: MiniLMv2 self-relations, no projector (losses/relation.py)
 TEACHER_CONTROLS = ("none", "untrained", "shuffled")
+ON_NONFINITE = ("stop", "skip")
 LOGIT_KD = LOGIT_KD_KINDS
 DESCRIPTION = """Multi-teacher KV-cache distillation on transformers.Trainer.
 
@@ -156,6 +157,9 @@ class KVDistillConfig(TrainingArguments):
                                       f"cut to the student's reasoning slots: {COMPRESSIONS} or none (proportional "
                                       "time alignment only).")
     compression_lambda: float = option(0.1, "R-KV: weight of key redundancy against attention importance.")
+    on_nonfinite: str = option("stop", f"A NaN/inf loss or gradient: {ON_NONFINITE}. stop = end the run with a "
+                               "message naming the tensor (teacher, layer, keys/values) where it first appeared; "
+                               "skip = warn, give the step zero gradient and go on (counted as nonfinite_skipped).")
     aligner_learning_rate: float = option(1e-3, "Learning rate of projectors / aligners / fusion weights.")
     # ---- TrainingArguments defaults of the seed prototype
     output_dir: str | None = option("runs/kvdistill", "Where checkpoints, logs and the final student go.")
@@ -199,6 +203,7 @@ class KVDistillConfig(TrainingArguments):
             "kv_loss": KV_LOSSES, "fusion": FUSIONS, "logit_kd_kind": LOGIT_KD, "direction": DIRECTIONS,
             "key_space": ("auto", "post_rope", "pre_rope"), "projector_init": ("xavier", "orthogonal", "identity"),
             "teacher_control": TEACHER_CONTROLS, "teacher_compression": (*COMPRESSIONS, "none"),
+            "on_nonfinite": ON_NONFINITE,
         }
         for key, allowed in choices.items():
             check_choice(key, getattr(self, key), allowed)

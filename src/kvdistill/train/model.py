@@ -138,6 +138,39 @@ class KVDistillModel(nn.Module):
             metrics[f"fusion_w/{n}"] = sample_w[:, i].mean().detach()
         return {"loss": loss, "metrics": metrics}
 
+    @torch.no_grad()
+    def find_nonfinite(self, input_ids: Tensor, attention_mask: Tensor, segment_ids: Tensor,
+                       teacher_kvs: dict[str, KVCache], teacher_logits: dict[str, Tensor] | None = None) -> str:
+        """Where a non-finite loss first appears, walking the loss path in order: each teacher's cache
+        and logits, the student's logits and cache, each aligned teacher, each teacher's KV loss.
+        Recomputes the step under no_grad, so it is only called once the loss is already NaN/inf."""
+        for n, kv in teacher_kvs.items():
+            for part in ("keys", "values"):
+                if (layer := _first_nonfinite(getattr(kv, part))) is not None:  # [L_t, B, H, T, D]
+                    return f"teacher {n}: its cache's {part} at layer {layer}"
+        for n, logits in (teacher_logits or {}).items():
+            if not torch.isfinite(logits).all():
+                return f"teacher {n}: its logits"
+        out, skv = forward_with_kv(self.student, input_ids, attention_mask, segment_ids, key_space=self.key_space)
+        if not torch.isfinite(out.logits).all():
+            return "the student: its logits"
+        for part in ("keys", "values"):
+            if (layer := _first_nonfinite(getattr(skv, part))) is not None:
+                return f"the student: its cache's {part} at layer {layer}"
+        for n in teacher_kvs:
+            if n not in self.aligners:
+                continue
+            a = self.aligners[n](teacher_kvs[n], skv)
+            for part in ("teacher_keys", "teacher_values"):
+                if (layer := _first_nonfinite(getattr(a, part))) is not None:  # [L_m, B, T_s, F]
+                    return f"teacher {n}: the aligner's output ({part}) at student layer {layer}"
+            loss, m = aligned_kv_loss(self.kv_loss, a)
+            if not torch.isfinite(loss):
+                per_layer = next((m[k] for k in ("cos_sim_per_layer", "relation_kl_per_layer") if k in m), None)
+                layer = None if per_layer is None else _first_nonfinite(per_layer)
+                return f"teacher {n}: its KV loss" + ("" if layer is None else f" at student layer {layer}")
+        return "the CE / logit-KD / CODI terms (every cache and KV loss is finite)"
+
     def _kv_losses(self, names, teacher_kvs, skv, base, sample_w, metrics) -> Tensor:
         """Sum over teachers of the (K + V)/2 loss sums, each teacher's mask scaled by its weights."""
         aligned = [self.aligners[n](teacher_kvs[n], skv) for n in names]
@@ -184,3 +217,9 @@ class KVDistillModel(nn.Module):
 
 def _item(x) -> float:
     return float(x.detach().float().mean()) if torch.is_tensor(x) else float(x)
+
+
+def _first_nonfinite(x: Tensor) -> int | None:
+    """Index along dim 0 (the layer axis) of the first slice holding a NaN/inf, or None."""
+    bad = ~torch.isfinite(x.reshape(x.shape[0], -1)).all(1)  # [L]
+    return int(bad.nonzero()[0]) if bad.any() else None

@@ -9,6 +9,7 @@ the student is a plain HF model directory.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -19,9 +20,11 @@ import yaml
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from kvdistill.align.compress import compress_cache
 from kvdistill.cache import REASONING, KVCache
+from kvdistill.io import read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.teachers import TeacherSet, derangement
 from kvdistill.train.config import ConfigError, KVDistillConfig
 from kvdistill.train.model import KVDistillModel
@@ -29,6 +32,40 @@ from kvdistill.train.model import KVDistillModel
 MODULES_FILE = "kvdistill_modules.safetensors"  # aligners, fusion logits, CODI heads
 TEACHERS_FILE = "teachers.json"
 CONFIG_FILE = "kvdistill_config.yaml"
+COMPLETE_FILE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient became NaN/inf; the message names where it first appeared."""
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """`checkpoint-N` dirs of a run that were saved to the end (they hold `COMPLETE_FILE`), oldest first."""
+    steps = {int(p.name.rsplit("-", 1)[1]): p for p in Path(run_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+             if p.name.rsplit("-", 1)[1].isdigit() and (p / COMPLETE_FILE).is_file()}
+    return [steps[k] for k in sorted(steps)]
+
+
+def resolve_checkpoint(run_dir: str | Path, resume: str | bool | None) -> str | None:
+    """The checkpoint to resume from: `last`/`true` -> the newest complete one (None: start fresh);
+    a path -> itself, refused when it is missing or was not saved to the end."""
+    if resume in (None, False, "", "false", "False", "none"):
+        return None
+    if resume in (True, "true", "True", "last"):
+        done = complete_checkpoints(run_dir)
+        if done:
+            logger.info("resuming from %s, the newest complete checkpoint", done[-1])
+        return str(done[-1]) if done else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise ConfigError(f"resume_from_checkpoint {path} does not exist; pass a checkpoint-N directory of this "
+                          f"run, or `last` for its newest complete checkpoint")
+    if not (path / COMPLETE_FILE).is_file():
+        raise ConfigError(f"checkpoint {path} is incomplete (no {COMPLETE_FILE}: the run stopped while saving it); "
+                          f"resume from an earlier checkpoint, or pass `last` to pick the newest complete one")
+    return str(path)
 
 
 def kv_warmup_factor(step: int, warmup_steps: int) -> float:
@@ -41,6 +78,12 @@ class MetricsFileCallback(TrainerCallback):
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # a resumed run replays the steps after its checkpoint: drop their old rows (all rows on a fresh start)
+        if state.is_world_process_zero and self.path.exists():
+            keep = [r for r in read_jsonl(self.path) if r.get("step", 0) <= state.global_step]
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
@@ -161,6 +204,10 @@ class KVDistillTrainer(Trainer):
             num_kd_tokens=None if counts is None else counts[3],
         )
         loss = out["loss"]
+        if not torch.isfinite(loss):  # one sync a step; the metrics below sync anyway
+            where = self.distill_model.find_nonfinite(inputs["input_ids"], inputs["attention_mask"],
+                                                      inputs["segment_ids"], teacher_kvs, teacher_logits)
+            loss = self._nonfinite(f"loss is {float(loss.detach())}, first non-finite in {where}", model)
         if counts is not None:
             # counts are global; DDP averages gradients over ranks, so undo that average
             loss = loss * self.accelerator.num_processes
@@ -212,8 +259,26 @@ class KVDistillTrainer(Trainer):
                 logits[t.name] = out_logits
         return kvs, logits
 
+    def _nonfinite(self, what: str, model: torch.nn.Module) -> Tensor:
+        """`on_nonfinite: stop` -> raise naming `what`; `skip` -> warn and return a zero loss that still
+        reaches every parameter (so DDP's gradient sync completes) with zero gradient."""
+        message = f"step {self.state.global_step + 1}: {what}"  # the step in progress, as it will be logged
+        if self.args.on_nonfinite == "stop":
+            raise NonFiniteError(f"{message}; lower the learning rate, run teachers in bf16/fp32 rather than fp16, "
+                                 "or set on_nonfinite: skip to skip such steps")
+        logger.warning("%s; step skipped (on_nonfinite: skip)", message)
+        self._metrics["nonfinite_skipped"].append(1.0)
+        return sum(p.reshape(-1)[0] for p in model.parameters() if p.requires_grad) * 0.0
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:  # the accumulated (and synced) gradient the optimizer will use
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            if grads and not torch.isfinite(torch.nn.utils.get_total_norm(list(grads.values()))):
+                bad = [n for n, g in grads.items() if not torch.isfinite(g).all()]
+                self._nonfinite(f"gradient of {bad[0]} is non-finite ({len(bad)} parameters)", model)
+                for g in grads.values():
+                    g.zero_()
         logging_steps = max(int(self.args.logging_steps), 1)
         if self.accelerator.sync_gradients and (self.state.global_step + 1) % logging_steps == 0:
             for part, norm in self._grad_norms().items():
@@ -234,6 +299,26 @@ class KVDistillTrainer(Trainer):
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ checkpoints
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        """`Trainer.train`, resuming only from complete checkpoints (`last` picks the newest one)."""
+        return super().train(resume_from_checkpoint=resolve_checkpoint(self.args.output_dir, resume_from_checkpoint),
+                             **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint, then the completeness marker, then the rotation of old checkpoints, in
+        that order: a kill at any point leaves the previous complete checkpoint in place."""
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # Trainer would rotate before the marker exists
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        ckpt = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self.accelerator.wait_for_everyone()  # every rank's files are on disk before the marker
+        if self.args.should_save:
+            write_json_atomic(ckpt / COMPLETE_FILE, {"global_step": self.state.global_step})
+            rotate_checkpoints(str(ckpt.parent), limit, self.state.best_model_checkpoint, use_mtime=True)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Student as a plain HF model dir; aligners etc. as safetensors; config + teacher manifest."""
         out = Path(output_dir or self.args.output_dir)
@@ -268,10 +353,14 @@ class KVDistillTrainer(Trainer):
             )
         wrapper = self.distill_model
         student = wrapper.student
-        loaded = type(student).from_pretrained(ckpt, dtype=next(student.parameters()).dtype)
+        try:  # a file damaged after the save (truncated copy, full disk): name it, not the parser's internals
+            loaded = type(student).from_pretrained(ckpt, dtype=next(student.parameters()).dtype)
+            extra = load_file(ckpt / MODULES_FILE) if (ckpt / MODULES_FILE).exists() else None
+        except Exception as err:
+            raise ConfigError(f"checkpoint {ckpt} cannot be read ({type(err).__name__}: {err}); resume from "
+                              "another checkpoint, or start a new run") from err
         student.load_state_dict(loaded.state_dict())
-        if (ckpt / MODULES_FILE).exists():
-            extra = load_file(ckpt / MODULES_FILE)
+        if extra is not None:
             missing, unexpected = wrapper.load_state_dict(extra, strict=False)
             missing = [k for k in missing if not k.startswith("student.")]
             if missing or unexpected:
