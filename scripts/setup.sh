@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install kvdistill into it. Idempotent: a second call is fast.
+# KVDISTILL_EXTRAS picks the pyproject extras (default "dev"; scripts/test.sh adds eval, tensorboard, wandb).
 # GPU users: set KVDISTILL_TORCH to the torch spec you want (e.g. "torch" for the CUDA build);
 # the default pins the CPU build that these machines serve.
 set -euo pipefail
@@ -12,4 +13,4 @@ fi
 if ! python -c "import torch" 2>/dev/null; then
   pip install -q "${KVDISTILL_TORCH:-torch==2.13.0}"
 fi
-pip install -q -e ".[dev]"
+pip install -q -c scripts/constraints.txt -e ".[${KVDISTILL_EXTRAS:-dev}]"

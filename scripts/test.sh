@@ -2,7 +2,8 @@
 # One command: set up and run the test suite (offline, CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+# the tests also run lm-evaluation-harness and read TensorBoard / offline wandb logs; the demo needs none of them
+KVDISTILL_EXTRAS="dev,eval,tensorboard,wandb" bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 set +e

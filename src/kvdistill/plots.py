@@ -15,18 +15,27 @@ matplotlib.use("Agg")  # headless: CI, SLURM nodes, servers
 import matplotlib.pyplot as plt
 import numpy as np
 
-# --------------------------------------------------------------------------- ab-projector
-
-
 
 def save_figure(fig, path: str | Path) -> Path:
-    """Tight layout, write a PNG (parent dirs created), close the figure; returns the path."""
-    fig.tight_layout()
+    """Lay out (tight, unless the figure has its own layout engine), write a PNG (parent dirs
+    created), close the figure; returns the path."""
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def legend(ax, **kwargs) -> None:
+    """`ax.legend(**kwargs)` when something is labelled (an empty panel gets none, not a warning)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
+# --------------------------------------------------------------------------- ab-projector
+
 
 def plot_ab_curves(
     curves: dict[str, dict[str, tuple[list[int], list[list[float]]]]],
@@ -66,7 +75,7 @@ def plot_ab_curves(
         if logy:
             ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        legend(ax)
     if title:
         fig.suptitle(title)
     return save_figure(fig, path)
@@ -201,7 +210,7 @@ def plot_run_curves(
         ax.set_title(metric)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        legend(ax, fontsize=7)
     if title:
         fig.suptitle(title)
     return save_figure(fig, path)

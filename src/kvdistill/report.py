@@ -44,6 +44,11 @@ def environment() -> dict[str, Any]:
     }
 
 
+def format_environment(env: dict[str, Any]) -> str:
+    """One line of an `environment()` record for a report, without its date (a rerun differs only there)."""
+    return ", ".join(f"{k} {v}" for k, v in env.items() if k != "date")
+
+
 def _missing(x: Any) -> bool:
     return x is None or (isinstance(x, float) and math.isnan(x))
 

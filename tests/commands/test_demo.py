@@ -46,6 +46,14 @@ def test_demo_quick_end_to_end(tmp_path):
         row = next(line for line in report.splitlines() if line.startswith(f"| {name} |"))
         assert re.search(rf"\| {s['accuracy']:.3f} \|", row), (row, s["accuracy"])
         assert s["n"] == 60
+    # the same command and seed on this machine give the same bytes: rerun from scratch elsewhere
+    again = tmp_path / "demo_again"
+    assert demo_main(["--quick", "--output_dir", str(again), "--workers", "2"]) == 0
+    assert (again / "report.md").read_text() == report.replace(str(out), str(again))
+    models = sorted(p.relative_to(out) for p in out.glob("*/*/model.safetensors"))
+    assert len(models) == 9  # random inits (3), trained teachers (2), SFT curve, 3 students
+    for rel in models + sorted(p.relative_to(out) for p in out.glob("eval/*/items.jsonl")):
+        assert (out / rel).read_bytes() == (again / rel).read_bytes(), rel
     # a second run reuses everything (teachers cached)
     mtime = (out / "teachers" / "teacher_qwen2" / "model.safetensors").stat().st_mtime
     assert demo_main(["--quick", "--output_dir", str(out)]) == 0

@@ -162,14 +162,3 @@ def test_saved_student_loads_like_lm_eval_hf(tiny_world):
     tok = AutoTokenizer.from_pretrained(path)
     ids = tok("Question: 1 + 1?\nAnswer:", return_tensors="pt")["input_ids"]
     assert model(ids).logits.shape[:2] == ids.shape
-
-
-def test_lm_eval_harness_runs_on_saved_student(tiny_world):
-    pytest.importorskip("lm_eval", reason="lm-evaluation-harness not installed (pip install lm-eval)")
-    from lm_eval.api.instance import Instance
-    from lm_eval.models.huggingface import HFLM
-
-    lm = HFLM(pretrained=str(tiny_world.models["student"]), batch_size=2, device="cpu")
-    req = Instance("loglikelihood", {}, ("Question: 1 + 1?\nAnswer:", " 2"), 0)
-    ((logprob, _),) = lm.loglikelihood([req])
-    assert math.isfinite(logprob) and logprob < 0

@@ -60,19 +60,25 @@ def plot_training_curves(path: str | Path, out_dir: str | Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for k in cos_keys:
             ax.plot(steps, [r.get(k, np.nan) for r in rows], label=k.split("/", 1)[1])
-        ax.set(xlabel="step", ylabel="cos-sim (keys)", title="student vs aligned teacher KV", ylim=(-0.1, 1.0))
+        ax.set(xlabel="step", ylabel="cos-sim (mean of K, V)", title="student vs aligned teacher KV", ylim=(-0.1, 1.0))
         ax.legend()
         written.append(save_figure(fig, out_dir / "curves_cos_sim.png"))
 
         teachers = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("cos_layer/")})
         if teachers:
-            fig, axes = plt.subplots(1, len(teachers), figsize=(4 * len(teachers), 3), squeeze=False)
+            # constrained layout places the shared colorbar beside the panels (tight_layout cannot)
+            fig, axes = plt.subplots(1, len(teachers), figsize=(4 * len(teachers) + 1, 3), squeeze=False,
+                                     layout="constrained")
+            # each logged step is one cell: half a logging interval either side (1 step when only one)
+            half = (steps[-1] - steps[0]) / max(len(steps) - 1, 1) / 2 or 0.5
             for ax, t in zip(axes[0], teachers):
                 layers = sorted({int(k.split("/")[2]) for r in rows for k in r if k.startswith(f"cos_layer/{t}/")})
-                grid = np.array([[r.get(f"cos_layer/{t}/{layer}", np.nan) for r in rows] for layer in layers])
+                grid = np.array([[r.get(f"cos_layer/{t}/{layer}", np.nan) for r in rows] for layer in layers])  # [L, P]
                 im = ax.imshow(grid, aspect="auto", origin="lower", vmin=-0.1, vmax=1.0, cmap="viridis",
-                               extent=(steps[0], steps[-1], -0.5, len(layers) - 0.5))
+                               extent=(steps[0] - half, steps[-1] + half, -0.5, len(layers) - 0.5))
+                shown = range(0, len(layers), max(1, len(layers) // 12))  # row i of the grid is layers[i]
+                ax.set_yticks(list(shown), [str(layers[i]) for i in shown])
                 ax.set(xlabel="step", ylabel="student layer", title=f"per-layer cos-sim: {t}")
-            fig.colorbar(im, ax=axes[0].tolist())
+            fig.colorbar(im, ax=axes[0].tolist(), label="cos-sim (mean of K, V)")
             written.append(save_figure(fig, out_dir / "cos_sim_layers.png"))
     return written
