@@ -27,6 +27,12 @@ def test_seed_prototype_defaults(tiny_world):
     assert (cfg.max_steps, cfg.weight_decay, cfg.learning_rate, cfg.aligner_learning_rate) == (1000, 0.01, 5e-5, 1e-3)
 
 
+@pytest.mark.parametrize("value", ["tensorboard,wandb", "[tensorboard, wandb]"])
+def test_report_to_takes_several_names_on_the_cli(tiny_world, value):
+    cfg = parse_config(["--student", str(tiny_world.models["student"]), "--kv_weight", "0", "--report_to", value])
+    assert cfg.report_to == ["tensorboard", "wandb"]
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--kv_wieght", "1"], "did you mean 'kv_weight'"),
     (["--kv_weight", "-1"], "kv_weight must be >= 0"),
