@@ -135,12 +135,33 @@ class TeacherCache:
         return kv, logits
 
 
+def teacher_deepspeed_config(ds_config: dict) -> dict:
+    """The DeepSpeed config of a frozen teacher's inference engine, from the run's (student's) config.
+
+    ZeRO-3 keeps the run's partitioning: a teacher's weights are sharded too and gathered layer by
+    layer in its forward. ZeRO-1/2 shard only optimizer state and gradients, which a teacher has
+    none of, so it gets stage 0: a plain copy per rank. The batch sizes are nominal (an inference
+    engine never steps) and `train_batch_size` is left out: DeepSpeed derives it as micro-batch x
+    accumulation x world size, where a fixed 1 fails its batch check on 2+ processes. "auto" values
+    are dropped: the Trainer fills them in the student's config only.
+    """
+    zero = {k: v for k, v in ds_config.get("zero_optimization", {}).items() if v != "auto"}
+    if zero.get("stage") != 3:
+        zero["stage"] = 0
+    config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    config.update({k: ds_config[k] for k in ("bf16", "fp16") if k in ds_config})
+    return config
+
+
 class TeacherSet:
     """The teachers of a run, placed on the device (or offloaded to CPU between forwards).
 
-    Under FSDP/DDP the teachers are *not* wrapped: each rank holds a full frozen copy on its
-    device (a teacher left on CPU under FSDP is a known TRL bug). Under DeepSpeed ZeRO-3 call
-    `prepare_deepspeed` so its parameters are partitioned like the student's.
+    Under DDP and FSDP the teachers are *not* wrapped: they are not submodules of the model the
+    Trainer shards, so each rank holds a full frozen copy (eval mode, no gradients) on its device
+    (a teacher left on CPU under FSDP is a known TRL bug). Replicated, not sharded: a teacher has no
+    gradients or optimizer state to shard, only weights, and sharding them would cost an all-gather
+    per teacher forward. Under DeepSpeed the Trainer calls `prepare_deepspeed` (ZeRO-3 partitions
+    the teachers like the student).
     """
 
     def __init__(self, teachers: list[Teacher], device: torch.device | str, offload: bool = False,
@@ -167,14 +188,7 @@ class TeacherSet:
         """Wrap each teacher in a DeepSpeed inference engine with the run's ZeRO config."""
         import deepspeed  # only reached under DeepSpeed
 
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        config = {"zero_optimization": dict(ds_config.get("zero_optimization", {})), "train_batch_size": 1,
-                  "train_micro_batch_size_per_gpu": 1}
-        if config["zero_optimization"].get("stage") != 3:
-            config["zero_optimization"]["stage"] = 0  # ZeRO-1/2 shard only optimizer state: a plain copy
-        for key in ("bf16", "fp16"):
-            if key in ds_config:
-                config[key] = ds_config[key]
+        config = teacher_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config)
         for t in self:
             engine, *_ = deepspeed.initialize(model=t.model, config=config)
             t.model = engine.module

@@ -176,7 +176,10 @@ def test_runner_report_and_resume_with_synthetic_runs(tmp_path):
     (out / "runs" / "kv" / "seed_2" / "eval" / "summary.json").unlink()
     run_ablation(cfg, train_fn=fake2.train, eval_fn=fake2.eval, log=lambda s: None)
     assert fake2.trained == [] and fake2.evaluated == [str(out / "runs" / "kv" / "seed_2")]
-    # other settings in the same output_dir: refused, never mixed with the old runs
+    # bookkeeping (checkpointing, logging) may change between a run and its resumption ...
+    cfg.overrides.update(save_strategy="steps", save_steps=5, logging_steps=3)
+    run_ablation(cfg, train_fn=fake2.train, eval_fn=fake2.eval, log=lambda s: None)
+    # ... other settings in the same output_dir are refused, never mixed with the old runs
     cfg.overrides["max_steps"] = 20
     with pytest.raises(AblationError, match="max_steps differ"):
         run_ablation(cfg, train_fn=fake2.train, eval_fn=fake2.eval, log=lambda s: None)

@@ -1,4 +1,8 @@
-"""Helpers for training tests: a base config on the tiny fixtures."""
+"""Helpers for training tests: a base config on the tiny fixtures, and `accelerate launch`."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -45,3 +49,16 @@ def _base_args(tiny_world, output_dir):
         return argv
 
     return make
+
+
+@pytest.fixture(scope="session")
+def launch():
+    """`launch(launcher_args, target)`: run `accelerate launch <launcher_args> <target...>` on a free
+    port (tests may launch side by side), one intra-op thread per process; returns the `CompletedProcess`."""
+
+    def run(launcher_args: list[str], target: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", *launcher_args, *target]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+    return run

@@ -1,10 +1,7 @@
 """End-to-end training on the tiny fixtures: learning, freezing, resume, saving, DDP."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -112,16 +109,13 @@ def test_resume_with_other_teachers_is_an_error(base_args, tiny_world, tmp_path)
 
 
 @pytest.mark.slow
-def test_two_process_ddp_ranks_agree(base_args, tmp_path):
+def test_two_process_ddp_ranks_agree(base_args, launch, tmp_path):
     # fusion: correctness also checks that the ranks share one teacher-answer cache (rank 0 writes it)
     out = tmp_path / "ddp"
     argv = base_args(output_dir=out, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                      fusion="correctness", max_samples=16)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "kvdistill.cli",
-           "train", *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    r = launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no"], ["-m", "kvdistill.cli", "train", *argv])
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = [json.loads((out / "ranks" / f"rank{i}.json").read_text()) for i in range(2)]
     assert ranks[0]["param_checksum"] == pytest.approx(ranks[1]["param_checksum"], rel=1e-9)

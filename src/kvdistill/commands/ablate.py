@@ -41,10 +41,10 @@ import torch
 import yaml
 
 from kvdistill.commands.eval import EvalConfig
-from kvdistill.config import ConfigError, option, parse_config, to_plain
+from kvdistill.config import ConfigError, check_output_dir, option, parse_config, read_yaml, to_plain
 from kvdistill.evaluate.stats import mean_std, paired_bootstrap, paired_permutation_test, paired_ttest
 from kvdistill.io import read_json, read_jsonl, write_json_atomic, write_text_atomic
-from kvdistill.report import fmt_mean_std, fmt_num, fmt_p, fmt_signed
+from kvdistill.report import fmt_mean_std, fmt_num, fmt_p, fmt_signed, format_environment
 
 # ----------------------------------------------------------------------------- variants
 
@@ -307,6 +307,7 @@ class AblationConfig:
             base = here / base
         if not base.exists():
             raise AblationError(f"base_config {self.base_config} not found (tried the CWD and {here})")
+        read_yaml(base, "base_config")  # a broken base config fails now, not at the first run
         return str(base)
 
     def variant(self, name: str) -> Variant:
@@ -337,7 +338,7 @@ def run_dir(cfg: AblationConfig, variant: str, seed: int) -> Path:
 
 def train_config_for(cfg: AblationConfig, variant: Variant, seed: int) -> dict[str, Any]:
     """The full train YAML of one run: base config < common overrides < variant < (output_dir, seed)."""
-    merged = yaml.safe_load(Path(cfg.base_config).read_text()) or {}
+    merged = read_yaml(cfg.base_config, "base_config")
     merged.update(copy.deepcopy(cfg.overrides))
     merged.update(copy.deepcopy(variant.overrides))
     merged["output_dir"] = str(run_dir(cfg, variant.name, seed))
@@ -361,14 +362,20 @@ def eval_settings_for(cfg: AblationConfig, train_cfg: Mapping[str, Any]) -> dict
     return {k: v for k, v in settings.items() if v is not None}
 
 
+# how often and where a run writes, not what it learns: may change between a run and its resumption
+BOOKKEEPING = frozenset({"save_strategy", "save_steps", "save_total_limit", "logging_steps", "disable_tqdm",
+                         "report_to"})
+
+
 def _check_same_settings(rdir: Path, train_cfg: dict[str, Any]) -> None:
-    """A run dir left by an earlier ablation is reused only if it was made with these settings."""
+    """A run dir left by an earlier ablation is reused only if it was made with these settings
+    (bookkeeping options aside)."""
     saved_path = rdir / "train_config.yaml"
     if not saved_path.exists():
         return
     saved = yaml.safe_load(saved_path.read_text()) or {}
     now = yaml.safe_load(yaml.safe_dump(train_cfg, sort_keys=False, allow_unicode=True))
-    changed = sorted(k for k in {*saved, *now} if saved.get(k) != now.get(k))
+    changed = sorted(k for k in {*saved, *now} - BOOKKEEPING if saved.get(k) != now.get(k))
     if changed:
         raise AblationError(f"{rdir} holds a run made with other settings ({', '.join(changed)} differ); delete "
                             "it or set another output_dir, so old and new runs are never mixed")
@@ -718,7 +725,7 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         lines.append(f"- **{row['label']}** (`{name}`): `{json.dumps(row['overrides'], sort_keys=True)}`")
     if report.get("environments"):
         lines += ["", "Environment of the runs: " + "; ".join(
-            "`" + ", ".join(f"{k} {v}" for k, v in e.items()) + "`" for e in report["environments"])]
+            f"`{format_environment(e)}`" for e in report["environments"])]
     if plots:
         lines += ["", "## Plots", ""]
         for title, fname in plots.items():
@@ -788,6 +795,7 @@ def main(argv: list[str]) -> int:
         for name, members in VARIANT_SETS.items():
             print(f"set {name:<14} {', '.join(members)}")
         return 0
+    check_output_dir(cfg.output_dir)
     if cfg.report_only:
         report = summarize(cfg)
         report["failures"] = []

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from kvdistill.config import ConfigError, check_choice, option, parse_config, to_plain
-from kvdistill.data import DEFAULT_TEMPLATE, load_records
-from kvdistill.evaluate.scoring import CHAT_MODES, evaluate_model, write_results
+from kvdistill.card import record_evaluation
+from kvdistill.config import ConfigError, check_choice, check_output_dir, option, parse_config, to_plain
+from kvdistill.data import DEFAULT_TEMPLATE, format_example, format_prompt, load_records
+from kvdistill.evaluate.scoring import CHAT_MODES, evaluate_model, use_chat, write_results
 from kvdistill.report import environment
 
 
@@ -118,6 +117,35 @@ def training_prompt_settings(model_dir: str | Path) -> dict[str, Any] | None:
     return None
 
 
+def check_lengths(model: Any, tokenizer: Any, records: list[dict], name: str, data: str,
+                  settings: dict[str, Any]) -> None:
+    """Refuse, before generating, the longest prompt + `max_new_tokens`, or the longest perplexity
+    example (cut at `max_length`), when it is longer than the positions the model was built for."""
+    from kvdistill.models import check_length, max_positions
+
+    template, limit = settings.get("template") or DEFAULT_TEMPLATE, max_positions(model)
+    try:
+        chat = use_chat(tokenizer, settings.get("chat_template", "auto"))
+    except ValueError as err:  # --chat_template on, and the tokenizer has none
+        raise ConfigError(f"{err} ({name})") from None
+
+    def longest(texts: list[str], extra: int = 0) -> tuple[int, int]:  # (record, tokens)
+        lengths = [len(ids) + extra for ids in tokenizer(texts, add_special_tokens=not chat)["input_ids"]]
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        return i, lengths[i]
+
+    i, n = longest([format_prompt(r["question"], template, tokenizer if chat else None) for r in records])
+    new = settings.get("max_new_tokens", 256)
+    fix = (f"lower --max_new_tokens to {limit - n}, or leave the longest questions out" if limit and n < limit
+           else "leave questions this long out of the data")
+    check_length(model, n + new, name, f"question {i} of {data} ({n} tokens) plus --max_new_tokens {new}", fix)
+    if settings.get("perplexity", True):  # as `tokenize_example` makes them: + EOS, cut at max_length
+        i, n = longest([format_example(r, template, tokenizer if chat else None).text for r in records], extra=1)
+        n = min(n, settings.get("max_length", 512))
+        check_length(model, n, name, f"record {i} of {data} ({n} tokens with its answer, for the perplexity)",
+                     f"set --max_length <= {limit}, or pass --no_perplexity")
+
+
 def run_eval(
     model_path: str | Path,
     *,
@@ -137,8 +165,10 @@ def run_eval(
     `template` / `chat_template` left out (or None) come from the run's training config when
     `model_path` is a kvdistill run, else the defaults (plain template, chat template if any).
     """
-    from kvdistill.models import load_model, load_tokenizer
+    from kvdistill.models import check_vocab, load_model, load_tokenizer, resolve_device
 
+    if out is not None:
+        check_output_dir(out)
     model_dir = resolve_model_dir(model_path)
     trained = training_prompt_settings(model_dir) or {}
     for key in ("template", "chat_template"):
@@ -146,10 +176,12 @@ def run_eval(
             kwargs.pop(key, None)
             if key in trained:
                 kwargs[key] = trained[key]
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device)
+    records = load_records(data, split=split, field_map=field_map, limit=limit)
     tokenizer = load_tokenizer(_tokenizer_dir(model_dir))
     model = load_model(model_dir, dtype=dtype, device=device)
-    records = load_records(data, split=split, field_map=field_map, limit=limit)
+    check_vocab(model, tokenizer, model_dir)
+    check_lengths(model, tokenizer, records, model_dir, str(data), kwargs)
     log(f"eval: {model_dir} on {data}:{split} ({len(records)} questions, device {device})")
     result = evaluate_model(model, tokenizer, records, **kwargs)
     result.update(
@@ -167,6 +199,8 @@ def run_eval(
     if out is not None:
         items_path, summary_path = write_results(result, out)
         log(f"wrote {items_path} and {summary_path}")
+    if (card := record_evaluation(model_dir, result)) is not None:  # a student saved by kvdistill
+        log(f"added the result to the model card {card}")
     return result
 
 

@@ -6,6 +6,7 @@ so a bad config fails before any model loads, with a message that names the fix.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,8 @@ class KVDistillConfig(TrainingArguments):
         # mapping-valued options arrive as YAML objects from a file, or as strings from the CLI
         for key in ("teachers", "field_map", "transfer_field_map", "segment_weights"):
             setattr(self, key, to_plain(getattr(self, key)))
+        if isinstance(self.report_to, str) and "," in self.report_to:  # CLI: `tensorboard,wandb` or `[a, b]`
+            self.report_to = [r.strip() for r in self.report_to.strip("[]").split(",") if r.strip()]
         if isinstance(self.teachers, (str, dict)):  # one teacher, given as a path or a mapping
             self.teachers = [self.teachers]
         self.teacher_configs = [self._teacher(t) for t in (self.teachers or [])]
@@ -242,6 +245,12 @@ class KVDistillConfig(TrainingArguments):
                               "(or kv_weight: 0); see docs/training.md")
         if self.accuracy_eval_steps < 0 or self.accuracy_eval_limit < 1:
             raise ConfigError("accuracy_eval_steps must be >= 0 and accuracy_eval_limit >= 1")
+        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_samples", "transfer_max_samples"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.learning_rate <= 0 or self.aligner_learning_rate < 0:
+            raise ConfigError(f"learning_rate must be > 0 and aligner_learning_rate >= 0, got {self.learning_rate} "
+                              f"and {self.aligner_learning_rate}")
         if self.key_space == "auto":
             self.key_space = "pre_rope" if self.kv_loss == "relation" else "post_rope"
         try:
@@ -299,9 +308,12 @@ class KVDistillConfig(TrainingArguments):
 
     def _check_layer_map_counts(self, t: TeacherConfig) -> None:
         """Compare a layer map's layer counts with the models' configs (config.json only, no weights)."""
-        import json
-
-        doc = json.loads(Path(t.layer_map).read_text())
+        try:
+            doc = json.loads(Path(t.layer_map).read_text())
+        except ValueError as err:  # not JSON or not UTF-8 (a truncated copy): name the file
+            raise ConfigError(f"teacher {t.name}: layer map {t.layer_map} is not valid JSON ({err}); re-run "
+                              "`kvdistill layer-map`") from None
+        doc = doc if isinstance(doc, dict) else {}  # the format is checked when the map is loaded
         for side, path in (("student", self.student), ("teacher", t.path)):
             cfg_file = Path(path) / "config.json"
             if not cfg_file.exists():

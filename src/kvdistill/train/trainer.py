@@ -24,6 +24,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from kvdistill.align.compress import compress_cache
 from kvdistill.cache import REASONING, KVCache
+from kvdistill.card import write_card
 from kvdistill.io import read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.teachers import TeacherSet, derangement
 from kvdistill.train.config import ConfigError, KVDistillConfig
@@ -126,7 +127,12 @@ class KVDistillTrainer(Trainer):
 
     def __init__(self, *args: Any, teachers: TeacherSet, layer_maps: dict[str, Any] | None = None,
                  accuracy_records: list[dict] | None = None, **kwargs: Any):
+        from kvdistill.train.distributed import check_launch, enable_cpu_fsdp
+
         super().__init__(*args, **kwargs)
+        if enable_cpu_fsdp(self.accelerator):
+            self.is_fsdp_enabled = True  # Trainer read it before the plugin was put back; it wraps the model later
+        check_launch(self.accelerator)
         self.teachers = teachers
         self.layer_maps = layer_maps or {}
         self._metrics: dict[str, list[float]] = defaultdict(list)
@@ -321,6 +327,8 @@ class KVDistillTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Student as a plain HF model dir; aligners etc. as safetensors; config + teacher manifest."""
+        if not self.args.should_save:  # FSDP / DeepSpeed call this on every rank; the main one writes
+            return
         out = Path(output_dir or self.args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         wrapper = self.distill_model
@@ -330,8 +338,10 @@ class KVDistillTrainer(Trainer):
         extra = {k: v.detach().contiguous().cpu() for k, v in state_dict.items() if not k.startswith("student.")}
         if extra:
             save_file(extra, out / MODULES_FILE)
-        for name, aligner in wrapper.aligners.items():
-            aligner.save(out / "aligners" / name)
+        for name, aligner in wrapper.aligners.items():  # from the (gathered) state dict, not the live shards
+            prefix = f"aligners.{name}."
+            aligner.save(out / "aligners" / name,
+                         state={k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
         if self.processing_class is not None:
             self.processing_class.save_pretrained(out)
         (out / TEACHERS_FILE).write_text(json.dumps(self.teachers.manifest(), indent=1))
@@ -340,6 +350,8 @@ class KVDistillTrainer(Trainer):
             (out / "layer_maps").mkdir(exist_ok=True)
             (out / "layer_maps" / f"{name}.json").write_text(json.dumps({"teacher": name, "matrix": lm.tolist()}))
         torch.save(self.args, out / "training_args.bin")
+        write_card(out, self.args.to_yaml_dict(), self.teachers.manifest(), step=self.state.global_step,
+                   layer_maps=self.layer_maps)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         ckpt = Path(resume_from_checkpoint)
@@ -359,10 +371,15 @@ class KVDistillTrainer(Trainer):
         except Exception as err:
             raise ConfigError(f"checkpoint {ckpt} cannot be read ({type(err).__name__}: {err}); resume from "
                               "another checkpoint, or start a new run") from err
-        student.load_state_dict(loaded.state_dict())
-        if extra is not None:
-            missing, unexpected = wrapper.load_state_dict(extra, strict=False)
-            missing = [k for k in missing if not k.startswith("student.")]
-            if missing or unexpected:
-                raise ConfigError(f"checkpoint {ckpt} does not match this run's aligners: missing {missing}, "
-                                  f"unexpected {unexpected}; resume with the same alignment settings")
+        full = {f"student.{k}": v for k, v in loaded.state_dict().items()} | (extra or {})
+        if self.is_fsdp_enabled:  # the live parameters are DTensor shards: each rank takes its part
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            missing, unexpected = set_model_state_dict(
+                self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        else:
+            missing, unexpected = wrapper.load_state_dict(full, strict=False)
+        missing = [k for k in missing if not k.startswith("student.")]
+        if missing or unexpected:
+            raise ConfigError(f"checkpoint {ckpt} does not match this run's aligners: missing {missing}, "
+                              f"unexpected {unexpected}; resume with the same alignment settings")
