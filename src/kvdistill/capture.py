@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -148,7 +148,11 @@ class CaptureWriter:
 
 def read_manifest(root: Path, settings: Mapping[str, Any]) -> dict:
     """The manifest of a complete capture made with `settings`, else a `CaptureError` naming why."""
-    manifest = read_json(root / MANIFEST, None)
+    try:
+        manifest = read_json(root / MANIFEST, None)
+    except (ValueError, OSError) as err:  # cut short by a full disk or a bad copy
+        raise CaptureError(f"{root / MANIFEST} cannot be read ({type(err).__name__}: {err}); capture again into an "
+                           "empty teacher_capture directory") from None
     if manifest is None:
         raise CaptureError(f"no capture at {root} ({MANIFEST} missing); run `kvdistill capture` with this "
                            "run's config first")
@@ -171,8 +175,12 @@ def load_capture(root: Path, settings: Mapping[str, Any], cache: TeacherCache, k
     live = CAPTURE_DTYPES[manifest["teacher_dtype"]]
     n = 0
     for name in manifest["shards"]:
-        with safe_open(str(root / name), framework="pt") as f:
-            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        try:
+            with safe_open(str(root / name), framework="pt") as f:
+                t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        except (SafetensorError, OSError) as err:  # truncated or missing shard
+            raise CaptureError(f"capture shard {root / name} cannot be read ({type(err).__name__}: {err}); capture "
+                               "again into an empty teacher_capture directory") from None
         starts = t["offsets"].tolist()
         for j, i in enumerate(t["index"].tolist()):
             a, b = starts[j], starts[j + 1]

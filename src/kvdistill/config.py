@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import inspect
+import os
 import sys
+import tempfile
 from dataclasses import MISSING, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,6 +22,7 @@ from typing import Any, TypeVar
 import yaml
 
 T = TypeVar("T")
+PROBE_BYTES = 1 << 16  # a disk that cannot take 64 KiB more cannot take a run's results either
 
 
 class ConfigError(ValueError):
@@ -91,14 +94,7 @@ def parse_config(cls: type[T], argv: list[str] | None, prog: str, description: s
             break
     if config_path:
         path = Path(config_path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {config_path}")
-        try:
-            defaults = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{config_path} is not valid YAML: {err}") from None
-        if not isinstance(defaults, dict):
-            raise ConfigError(f"{config_path} must hold a mapping of option: value")
+        defaults = read_yaml(path, "--config")
         for key in defaults:
             if key not in valid:
                 raise ConfigError(f"{config_path}: unknown key {key!r}{suggest(key, valid)}")
@@ -113,6 +109,47 @@ def parse_config(cls: type[T], argv: list[str] | None, prog: str, description: s
         return parser.parse_args_into_dataclasses(args=argv)[0]
     except TypeError as err:  # a required option missing from YAML and CLI
         raise ConfigError(str(err)) from None
+
+
+def read_yaml(path: str | Path, option: str) -> dict:
+    """The mapping a YAML options file holds; any problem with it is a one-line `ConfigError` that
+    names the file (and the line of a syntax error) and the `option` that gave it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{option} {path}: no such file; pass the path of an existing YAML file")
+    try:
+        data = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{path} is not valid YAML{where}: {problem}; fix the syntax there") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} holds a {type(data).__name__}, not a mapping of option: value; write one "
+                          "`option: value` per line")
+    return data
+
+
+def check_output_dir(path: str | Path, option: str = "output_dir") -> Path:
+    """Create the directory `path` and write (then remove) a probe file of `PROBE_BYTES` in it, so that
+    a run fails at once, and names `option`, when its results could not be written (a file in the
+    way, a read-only or (nearly) full file system) instead of after hours of work."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{option} {path} is a file, not a directory; pass a directory (it is created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path) as probe:  # removed on close, also when the write fails
+            probe.write(bytes(PROBE_BYTES))
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise ConfigError(f"{option} {path} is not writable ({reason}); free space there or pass another "
+                          f"{option}") from None
+    return path
 
 
 def to_plain(value: Any) -> Any:

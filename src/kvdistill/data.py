@@ -8,6 +8,7 @@ time alignment match a teacher and a student that tokenize differently.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 import zlib
@@ -47,8 +48,13 @@ def load_records(
     field_map: Mapping[str, str] | str | None = None,
     limit: int | None = None,
     extra_fields: Sequence[str] = (),
+    require_final: bool = False,
 ) -> list[dict]:
     """Load GSM8K-format records from a Hub id, a local file or a directory.
+
+    Every record is checked where it is read: a line that is not UTF-8 or not a JSON object, a
+    record without a question or answer, an empty question, or (with `require_final`) an answer
+    that does not say which part is its final answer, is a `DataError` naming the file and line.
 
     Args:
         source: "openai/gsm8k" (Hub, config "main"), a local .jsonl/.json/.parquet file, a
@@ -57,6 +63,8 @@ def load_records(
         field_map: `{"question": col, "answer": col}` or a name from `FIELD_MAPS`.
         limit: keep the first `limit` records.
         extra_fields: further columns to keep (e.g. per-teacher rationales).
+        require_final: labelled training records: every answer must end in `#### <final answer>`
+            or be a one-line final answer (else its rationale would be learned as the answer).
 
     Returns:
         list of `{"question", "answer", *extra_fields}` dicts.
@@ -77,33 +85,98 @@ def load_records(
         if not files:
             raise DataError(f"no {split}.jsonl/.json/.parquet in {path}; write one or pass a file path")
         path = files[0]
-    if path.suffix in _LOCAL_FORMATS and path.exists():
-        ds = datasets.load_dataset(_LOCAL_FORMATS[path.suffix], data_files={split: str(path)}, split=split)
+    if path.suffix == ".jsonl" and path.is_file():
+        rows = read_jsonl_records(path)[:limit]
+        columns = sorted({key for _, row in rows for key in row})
+    elif path.suffix in _LOCAL_FORMATS and path.is_file():
+        try:
+            ds = datasets.load_dataset(_LOCAL_FORMATS[path.suffix], data_files={split: str(path)}, split=split)
+        except Exception as err:  # datasets wraps a parse error of the file in its own types
+            raise DataError(f"{path} could not be read as {path.suffix} data ({type(err).__name__}: "
+                            f"{_first_line(err)}); check the file, or convert it to one JSON object per line "
+                            "(.jsonl)") from err
+        rows, columns = _dataset_rows(ds, str(path), limit), ds.column_names
     elif path.suffix in _LOCAL_FORMATS or str(source).startswith((".", "/")):
-        raise DataError(f"data file not found: {source}")
+        raise DataError(f"data file not found: {source}; check the path")
     else:
         config = "main" if str(source).endswith("gsm8k") else None
         try:
             ds = datasets.load_dataset(str(source), config, split=split)
         except Exception as err:  # datasets raises many types for "not reachable"
             raise DataError(
-                f"could not load dataset {source!r} (split {split!r}): {type(err).__name__}: {err}\n"
-                "  without network, pass a local jsonl/parquet file or directory, or 'synthetic'"
+                f"could not load dataset {source!r} (split {split!r}): {type(err).__name__}: {_first_line(err)}; "
+                "without network, pass a local jsonl/parquet file or directory, or 'synthetic'"
             ) from err
-    missing = [c for c in [*fmap.values(), *extra_fields] if c not in ds.column_names]
+        rows, columns = _dataset_rows(ds, str(source), limit), ds.column_names
+    if not rows:
+        raise DataError(f"{source} holds no {split} records" + (f" (limit {limit})" if limit is not None else "")
+                        + "; give a file with at least one {\"question\", \"answer\"} record")
+    missing = [c for c in [*fmap.values(), *extra_fields] if c not in columns]
     if missing:
         raise DataError(
-            f"{source}: columns {missing} not found (has {ds.column_names}); set a field_map such as "
+            f"{source}: columns {missing} not found (has {columns}); set a field_map such as "
             '{"question": "<col>", "answer": "<col>"}'
         )
+    return [_record(where, row, fmap, extra_fields, require_final) for where, row in rows]
+
+
+def read_jsonl_records(path: Path) -> list[tuple[str, dict]]:
+    """`(where, record)` for every non-blank line of a JSON-lines data file; a line that is not
+    UTF-8 or not a JSON object is a `DataError` naming the file and the line."""
+    rows = []
+    with path.open("rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path} line {n} is not UTF-8 (byte {err.start} of the line: {err.reason}); "
+                                "save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path} line {n} is not valid JSON ({err.msg}, column {err.colno}); fix or "
+                                "remove that line") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path} line {n} holds a JSON {type(row).__name__}, not an object; write one "
+                                '{"question": ..., "answer": ...} object per line')
+            rows.append((f"{path} line {n}", row))
+    return rows
+
+
+def _dataset_rows(ds: Any, source: str, limit: int | None) -> list[tuple[str, Mapping]]:
     if limit is not None:
-        ds = ds.select(range(min(limit, len(ds))))
-    records = []
-    for row in ds:
-        rec = {ours: str(row[theirs]) for ours, theirs in fmap.items()}
-        rec.update({f: row[f] for f in extra_fields})
-        records.append(rec)
-    return records
+        ds = ds.select(range(min(max(limit, 0), len(ds))))
+    return [(f"{source} record {i}", row) for i, row in enumerate(ds)]
+
+
+def _record(where: str, row: Mapping[str, Any], fmap: Mapping[str, str], extra_fields: Sequence[str],
+            require_final: bool) -> dict:
+    """One checked record `{"question", "answer", *extra_fields}` from a data row."""
+    for col in [*fmap.values(), *extra_fields]:
+        if row.get(col) is None:
+            raise DataError(f"{where} has no {col!r} value; give every record one (or remove that record)")
+    rec = {ours: str(row[theirs]) for ours, theirs in fmap.items()}
+    rec.update({f: row[f] for f in extra_fields})
+    if not rec["question"].strip():
+        raise DataError(f"{where} has an empty {fmap['question']!r}; give every record a question (or remove "
+                        "that record)")
+    if require_final:
+        final = split_answer(rec["answer"])[1]
+        if not final:
+            raise DataError(f"{where} has no final answer (its {fmap['answer']!r} is empty or ends in "
+                            f"{ANSWER_MARKER!r}); write it as '<rationale> {ANSWER_MARKER} 42'")
+        if ANSWER_MARKER not in rec["answer"] and "\n" in final:
+            raise DataError(f"{where}: its answer has {len(final.splitlines())} lines and no {ANSWER_MARKER!r} "
+                            "marker, so all of them would be learned as the final answer; end every answer with "
+                            f"'{ANSWER_MARKER} <final answer>' (GSM8K format), or map `answer` to a column holding "
+                            "only the final answer")
+    return rec
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else ""
 
 
 # ----------------------------------------------------------------------------- formatting

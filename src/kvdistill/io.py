@@ -67,12 +67,17 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` to `path` through a temporary file and a rename."""
+    """Write `text` to `path` through a temporary file and a rename; a failed write (full disk) removes
+    the temporary file, so `path` is either the old file or the whole new one, and nothing else is left."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    return tmp.replace(path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        return tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 1) -> Path:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import socket
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -25,6 +27,8 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+
+from kvdistill.config import ConfigError
 
 DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",
@@ -48,8 +52,26 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`device` as a `torch.device` ("auto" or None: cuda if available, else cpu); a device this
+    machine does not have is a `ConfigError`, not an assertion deep inside torch."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device {device!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu, "
+                          "or install a CUDA build of torch")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here; pick one of "
+                          f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return dev
 
 
 def _hub_offline() -> bool:
@@ -71,6 +93,9 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 def _source_kwargs(name_or_path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     """Decide local dir vs Hub id; for a Hub id out of reach, only the local HF cache is tried."""
     name = str(name_or_path)
+    if Path(name).is_file():
+        raise ModelLoadError(f"{name} is a file, not a model directory; give the directory that holds its "
+                             "config.json and weights (as written by `save_pretrained`)")
     if Path(name).exists():
         return name, {}
     looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith(os.sep)
@@ -84,13 +109,20 @@ def _source_kwargs(name_or_path: str | os.PathLike) -> tuple[str, dict[str, Any]
     return name, {}
 
 
+# what a damaged weights file raises (a truncated copy or download), besides OSError / ValueError
+_DAMAGED = (SafetensorError, pickle.UnpicklingError, EOFError)
+
+
 def _load_error(kind: str, name: str, err: Exception) -> ModelLoadError:
+    """One line: what failed, and the fix for a damaged file, a bad local directory or an unreachable Hub id."""
+    why = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    if isinstance(err, _DAMAGED):
+        return ModelLoadError(f"could not load {kind} {name!r}, its weights are damaged or incomplete ({why}); "
+                              "save or copy the model again")
     return ModelLoadError(
-        f"could not load {kind} {name!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}\n"
-        "  - if it is a Hub id and this machine has no network: download it elsewhere "
-        "(`huggingface-cli download ID --local-dir DIR`) and pass the local DIR instead;\n"
-        "  - set HF_HUB_OFFLINE=1 to use only the local Hub cache without network retries;\n"
-        "  - if it is a local directory: check the path and that it holds config.json and weights."
+        f"could not load {kind} {name!r} ({why}); for a local directory check that it holds config.json, the "
+        "tokenizer and the weights; for a Hub id without network, download it elsewhere (`huggingface-cli "
+        "download ID --local-dir DIR`) and pass DIR (HF_HUB_OFFLINE=1 skips network retries)"
     )
 
 
@@ -101,6 +133,10 @@ def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any):
         tok = AutoTokenizer.from_pretrained(name, **extra, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error("tokenizer", name, err) from err
+    if len(tok.get_vocab()) <= len(set(tok.all_special_tokens)):  # transformers builds an empty one from nothing
+        raise ModelLoadError(f"{name} holds no tokenizer (no tokenizer.json or vocabulary files there); save the "
+                             "model's tokenizer into it (`tokenizer.save_pretrained(DIR)`), or give a teacher "
+                             "`tokenizer:` a directory that holds one")
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
     return tok
@@ -122,7 +158,7 @@ def load_model(
         quantization: None, "4bit" or "8bit" (bitsandbytes; only when asked for).
     """
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     name, extra = _source_kwargs(name_or_path)
     torch_dtype = resolve_dtype(dtype)
     if quantization is not None:
@@ -130,7 +166,7 @@ def load_model(
         extra["device_map"] = {"": device or (0 if torch.cuda.is_available() else "cpu")}
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **extra, **kwargs)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, *_DAMAGED) as err:
         raise _load_error("model", name, err) from err
     if device is not None and quantization is None:
         model.to(device)
@@ -178,9 +214,35 @@ def model_device(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
+def _text_config(model: PreTrainedModel) -> PretrainedConfig:
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def num_layers(model: PreTrainedModel) -> int:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = _text_config(model)
     return getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+
+
+def max_positions(model: PreTrainedModel) -> int | None:
+    """The sequence length a model was built for (`max_position_embeddings` / GPT-2's `n_positions`)."""
+    return getattr(_text_config(model), "max_position_embeddings", None)
+
+
+def check_length(model: PreTrainedModel, tokens: int, name: str, what: str, fix: str) -> None:
+    """A `ConfigError` when `tokens` (`what`, e.g. "max_length 2048") exceed the positions model `name`
+    was built for: beyond them GPT-2 style models index past their position table, RoPE models extrapolate."""
+    limit = max_positions(model)
+    if limit is not None and tokens > limit:
+        raise ConfigError(f"{what} is longer than the {limit} positions of {name} (its max_position_embeddings); "
+                          f"{fix}")
+
+
+def check_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+    """A `ModelLoadError` when `tokenizer` makes token ids that `model` has no embedding for."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ModelLoadError(f"the tokenizer of {name} has {len(tokenizer)} tokens but the model embeds only {rows}; "
+                             "use the tokenizer the model was trained with (for a teacher: its `tokenizer:`)")
 
 
 # ----------------------------------------------------------------------------- building from scratch

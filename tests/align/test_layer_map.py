@@ -15,6 +15,7 @@ from kvdistill.align.layer_map import (
     mapped_rows,
     proportional_map,
     save_layer_map,
+    sparse_layer_map,
 )
 
 
@@ -93,3 +94,14 @@ def test_malformed_maps_rejected(tmp_path):
         load_layer_map(tmp_path / "missing.json", 2, 2)
     with pytest.raises(ValueError, match="unknown layer map kind"):
         build_layer_map("cka", 2, 2)
+
+
+def test_sparse_layer_map_lists_each_rows_layers_and_weights():
+    layers, weights = sparse_layer_map(proportional_map(3, 5))  # one-hot: one layer per row
+    assert layers.tolist() == [[0], [2], [4]] and weights.tolist() == [[1.0], [1.0], [1.0]]
+    M = torch.tensor([[0.0, 0.25, 0.75], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # top-2, unmapped, one layer
+    layers, weights = sparse_layer_map(M)
+    assert layers.shape == weights.shape == (3, 2)
+    dense = torch.zeros(3, 3).scatter_add_(1, layers, weights)  # back to the matrix: padding adds 0
+    torch.testing.assert_close(dense, M)
+    assert weights[1].tolist() == [0.0, 0.0] and weights[2].tolist() == [1.0, 0.0]

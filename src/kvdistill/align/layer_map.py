@@ -2,7 +2,9 @@
 
 Row `l` of `M` holds the weights of the teacher layers that student layer `l` learns from; a row
 sums to 1, or is all zero when that student layer is not distilled (`last_k` leaves the lower
-layers unmapped). `apply_layer_map` is one einsum over the layer axis.
+layers unmapped). `apply_layer_map` is one einsum over the layer axis (the reference);
+`sparse_layer_map` lists each row's teacher layers and weights, which `resample_kv` folds into
+the time gather (what `KVAligner` runs).
 
 Builders:
     proportional: student layer l -> teacher layer `floor(l * (L_t - 1) / (L_s - 1) + 0.5)`
@@ -21,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from kvdistill.io import write_text_atomic
 
 LAYER_MAP_FORMAT = "kvdistill.layer_map/v1"
 LAYER_MAP_KINDS = ("proportional", "last_k", "json")
@@ -58,6 +62,18 @@ def apply_layer_map(M: Tensor, x: Tensor) -> Tensor:
             f"got a tensor of shape {tuple(x.shape)}"
         )
     return torch.einsum("st,t...->s...", M.to(device=x.device, dtype=x.dtype), x)
+
+
+def sparse_layer_map(M: Tensor) -> tuple[Tensor, Tensor]:
+    """The non-zero entries of each row of `M [L_s, L_t]`: teacher layers `[L_s, k]` and weights `[L_s, k]`.
+
+    `k` is the largest number of non-zero weights in a row (1 for proportional and last_k maps, the
+    top-k of a CKA map); shorter rows are padded with weight 0. `resample_kv` reads these layers
+    in the same gather as the time alignment, so `apply_layer_map` never runs on a full cache.
+    """
+    k = max(int((M != 0).sum(1).max()), 1)
+    weights, layers = M.topk(k, dim=1)  # [L_s, k]; weights are non-negative
+    return layers, weights
 
 
 def mapped_rows(M: Tensor) -> Tensor:
@@ -131,9 +147,7 @@ def save_layer_map(
         "similarity": None if similarity is None else similarity.detach().cpu().float().tolist(),
         "provenance": provenance or {},
     }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1))
+    write_text_atomic(path, json.dumps(doc, indent=1))
 
 
 def read_layer_map(path: str | Path) -> dict[str, Any]:
@@ -144,10 +158,11 @@ def read_layer_map(path: str | Path) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"layer map {path} is not valid JSON: {e}") from e
+        raise ValueError(f"layer map {path} is not valid JSON ({e}); write it again with `kvdistill layer-map`") from e
     if not isinstance(doc, dict) or doc.get("format") != LAYER_MAP_FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-        raise ValueError(f"{path} is not a layer map: format {found!r}, expected {LAYER_MAP_FORMAT!r}")
+        raise ValueError(f"{path} is not a layer map: format {found!r}, expected {LAYER_MAP_FORMAT!r}; pass a file "
+                         "written by `kvdistill layer-map`")
     if doc.get("matrix") is None:
         L_s, L_t = int(doc["student_layers"]), int(doc["teacher_layers"])
         M = torch.zeros(L_s, L_t)

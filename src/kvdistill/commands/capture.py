@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from kvdistill.capture import CaptureWriter
 from kvdistill.commands.train import cache_key, capture_settings, load_run, teacher_batches, teacher_view
-from kvdistill.config import ConfigError
+from kvdistill.config import ConfigError, check_output_dir
 from kvdistill.models import DTYPES
 from kvdistill.teachers import TeacherSet
 from kvdistill.train.config import KVDistillConfig, parse_config
@@ -40,6 +40,7 @@ def run_capture(cfg: KVDistillConfig, log=print) -> Path:
     """
     if not cfg.teacher_capture:
         raise ConfigError("set --teacher_capture DIR: where the capture is written")
+    check_output_dir(cfg.teacher_capture, "teacher_capture")
     run = load_run(cfg)
     if not run.teachers:
         raise ConfigError("nothing to capture: the config has no teachers, or no teacher signal "

@@ -38,9 +38,10 @@ from pathlib import Path
 
 import torch
 
-from kvdistill.config import ConfigError, option, parse_config
+from kvdistill.config import ConfigError, check_output_dir, option, parse_config
 from kvdistill.data import format_example
 from kvdistill.io import REPO_ROOT, read_json, read_jsonl, write_json_atomic, write_text_atomic
+from kvdistill.report import format_environment
 from kvdistill.synthetic import generate_problems, write_jsonl
 
 CONFIG_DIR = REPO_ROOT / "configs" / "demo"
@@ -105,6 +106,8 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.workers < 1 or self.threads < 1:
             raise ConfigError("workers and threads must be >= 1")
+        if self.gate is not None and not 0 <= self.gate <= 1:
+            raise ConfigError(f"gate {self.gate} is not an accuracy; set --gate between 0 and 1 (default 0.90)")
 
 
 def _log(msg: str) -> None:
@@ -234,6 +237,9 @@ def write_report(out: Path, rows: list[dict], curve: dict, transfer: int) -> Pat
         f"≥ 95 % of the best ({curve['at_budget']:.3f}): {where}.", "",
         "![accuracy](accuracy.png)", "![SFT curve](sft_curve.png)", "",
     ]
+    env = read_json(out / "runs" / "student_sft" / "train_summary.json", {}).get("environment")
+    if env:  # what a rerun must match to give these numbers (README: what is reproducible)
+        lines += [f"Environment of the student runs: `{format_environment(env)}`.", ""]
     for run in STUDENTS:
         for png in ("curves_loss.png", "curves_cos_sim.png"):
             if (out / "runs" / run / png).exists():
@@ -333,8 +339,9 @@ def _params(path: Path) -> int:
 def main(argv: list[str]) -> int:
     cfg = parse_config(DemoConfig, argv, "kvdistill demo", __doc__)
     out = Path(cfg.output_dir)
-    if cfg.fresh and out.exists():
+    if cfg.fresh and out.is_dir():
         shutil.rmtree(out)
+    check_output_dir(out)
     torch.set_num_threads(cfg.threads)  # oversubscribed cores slow torch down many times over
     run_demo(out, quick=cfg.quick, seed=cfg.seed, workers=cfg.workers, gate=cfg.gate)
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdistill.config import ConfigError, option, parse_config
+from kvdistill.config import ConfigError, check_output_dir, option, parse_config
 from kvdistill.synthetic import OPS, write_dataset
 
 
@@ -24,8 +24,8 @@ class GenDataConfig:
     def __post_init__(self) -> None:
         if not self.output_dir:
             raise ConfigError("no output directory: pass --output_dir DIR")
-        if self.n_train < 0 or self.n_test < 0 or not 1 <= self.min_steps <= self.max_steps:
-            raise ConfigError("need n_train, n_test >= 0 and 1 <= min_steps <= max_steps")
+        if self.n_train < 0 or self.n_test < 0 or not 1 <= self.min_steps <= self.max_steps or self.max_value < 2:
+            raise ConfigError("need n_train, n_test >= 0, 1 <= min_steps <= max_steps and max_value >= 2")
         bad = set(self.ops.split(",")) - set(OPS)
         if bad:
             raise ConfigError(f"ops: unknown {sorted(bad)}; choose from {OPS}")
@@ -33,9 +33,13 @@ class GenDataConfig:
 
 def main(argv: list[str]) -> int:
     cfg = parse_config(GenDataConfig, argv, "kvdistill gen-data", __doc__)
-    out = write_dataset(
-        cfg.output_dir, cfg.n_train, cfg.n_test, cfg.seed,
-        min_steps=cfg.min_steps, max_steps=cfg.max_steps, max_value=cfg.max_value, ops=cfg.ops.split(","),
-    )
+    check_output_dir(cfg.output_dir)
+    try:
+        out = write_dataset(
+            cfg.output_dir, cfg.n_train, cfg.n_test, cfg.seed,
+            min_steps=cfg.min_steps, max_steps=cfg.max_steps, max_value=cfg.max_value, ops=cfg.ops.split(","),
+        )
+    except ValueError as err:  # too few distinct problems for these knobs; the message names them
+        raise ConfigError(str(err)) from None
     print(f"wrote {cfg.n_train} train / {cfg.n_test} test problems to {out}")
     return 0

@@ -38,9 +38,9 @@ from kvdistill.align.heads import flatten_heads
 from kvdistill.align.layer_map import save_layer_map
 from kvdistill.align.time import resample, time_index
 from kvdistill.cache import extract_kv
-from kvdistill.config import ConfigError, check_choice, option, parse_config, to_plain
+from kvdistill.config import ConfigError, check_choice, check_output_dir, option, parse_config, to_plain
 from kvdistill.data import DEFAULT_TEMPLATE, DistillCollator
-from kvdistill.models import model_device
+from kvdistill.models import check_length, check_vocab, max_positions, model_device, num_layers
 
 REPRESENTATIONS = ("hidden", "keys", "values")
 
@@ -248,19 +248,22 @@ def compute_layer_map(
 def write_layer_map(
     result: Mapping[str, Any], out: str | Path, *, title: str | None = None
 ) -> tuple[Path, Path]:
-    """Write `compute_layer_map`'s result as `out` (JSON) and `out` with suffix .png (heatmap)."""
+    """Write `compute_layer_map`'s result as `out` (JSON) and `out` with suffix .png (heatmap).
+
+    The heatmap goes first and the JSON (atomically) last: a map file is there only when both are.
+    """
     from kvdistill.plots import plot_cka_heatmap
 
     out = Path(out)
-    save_layer_map(
-        out, result["matrix"], similarity=result["similarity"], provenance=dict(result["provenance"])
-    )
     prov = result["provenance"]
     if title is None:
         title = f"CKA ({prov.get('representation', 'hidden')}, {prov.get('pooling', 'tokens')}): " + (
             f"{Path(str(prov.get('student', 'student'))).name} vs {Path(str(prov.get('teacher', 'teacher'))).name}"
         )
     png = plot_cka_heatmap(result["similarity"], result["matrix"], out.with_suffix(".png"), title=title)
+    save_layer_map(
+        out, result["matrix"], similarity=result["similarity"], provenance=dict(result["provenance"])
+    )
     return out, png
 
 
@@ -342,20 +345,32 @@ class LayerMapConfig:
         self.field_map = to_plain(self.field_map)
 
 
+def check_model(a: LayerMapConfig, model: nn.Module, tokenizer: Any, name: str) -> None:
+    """The model reads this tokenizer's ids and `--max_length` tokens (else an error that names it)."""
+    check_vocab(model, tokenizer, name)
+    check_length(model, a.max_length, name, f"--max_length {a.max_length}", f"set --max_length <= {max_positions(model)}")
+
+
 def main(argv: list[str]) -> int:
     from kvdistill.data import load_records
-    from kvdistill.models import load_model, load_tokenizer
+    from kvdistill.models import load_model, load_tokenizer, resolve_device
 
     a = parse_config(LayerMapConfig, argv, "kvdistill layer-map", __doc__)
+    outs = output_paths(a.output_file, a.teacher)
+    check_output_dir(outs[0].parent, "--output_file's directory")
     field_map = a.field_map
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(a.device)
     torch.manual_seed(a.seed)
     records = sample_records(load_records(a.data, split=a.split, field_map=field_map), a.samples, a.seed)
     student, s_tok = load_model(a.student, dtype=a.dtype, device=device), load_tokenizer(a.student)
-    outs = output_paths(a.output_file, a.teacher)
+    check_model(a, student, s_tok, f"student {a.student}")
     for teacher_path, out in zip(a.teacher, outs):
         teacher = load_model(teacher_path, dtype=a.dtype, device=device, quantization=a.quantization)
         t_tok = load_tokenizer(teacher_path)
+        check_model(a, teacher, t_tok, f"teacher {teacher_path}")
+        if a.top_k > num_layers(teacher):
+            raise ConfigError(f"--top_k {a.top_k} is more than the {num_layers(teacher)} layers of teacher "
+                              f"{teacher_path}; set --top_k <= {num_layers(teacher)}")
         result = compute_layer_map(
             student, teacher, s_tok, t_tok, records,
             k=a.top_k, temperature=a.temperature, monotonic=a.monotonic, representation=a.representation,

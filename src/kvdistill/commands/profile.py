@@ -20,12 +20,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from kvdistill.config import ConfigError, check_choice, option, parse_config
+from kvdistill.config import ConfigError, check_choice, check_output_dir, option, parse_config
 from kvdistill.io import write_json_atomic
 
 MiB = 2**20
@@ -99,8 +100,14 @@ class ProfileConfig:
     json: str | None = option(None, "Also write the table as JSON to this path.")
 
     def __post_init__(self) -> None:
+        from kvdistill.losses import LOSSES
+
         if not self.teacher or not self.student:
             raise ConfigError("pass both --teacher and --student (Hub ids or local model directories)")
+        if self.batch_size < 1 or self.max_length < 8 or self.mlp_ratio <= 0:
+            raise ConfigError(f"need --batch_size >= 1, --max_length >= 8 and --mlp_ratio > 0, got {self.batch_size}, "
+                              f"{self.max_length} and {self.mlp_ratio}")
+        check_choice("loss", self.loss, tuple(LOSSES))
         for name, allowed in (("mode", ("flat", "structured")), ("projector", ("linear", "elastic")),
                               ("time_mode", ("segment", "global", "index")),
                               ("direction", ("teacher_to_student", "student_to_teacher")),
@@ -115,17 +122,27 @@ def profile_pair(args: ProfileConfig) -> dict[str, Any]:
     from kvdistill.cache import extract_kv, forward_with_kv
     from kvdistill.data import DistillCollator, TeacherView, load_records
     from kvdistill.losses import aligned_kv_loss, build_kv_loss
-    from kvdistill.models import config_hash, load_model, load_tokenizer, num_layers
+    from kvdistill.models import (
+        check_length,
+        check_vocab,
+        config_hash,
+        load_model,
+        load_tokenizer,
+        max_positions,
+        num_layers,
+        resolve_device,
+    )
     from kvdistill.synthetic import generate_problems
 
     torch.manual_seed(args.seed)
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
+    device = resolve_device(args.device)
     s_tok, t_tok = load_tokenizer(args.student), load_tokenizer(args.teacher)
     student = load_model(args.student, dtype=args.dtype, device=device)
     teacher = load_model(args.teacher, dtype=args.dtype, device=device).eval()
+    for name, model, tok in ((f"student {args.student}", student, s_tok), (f"teacher {args.teacher}", teacher, t_tok)):
+        check_vocab(model, tok, name)
+        check_length(model, args.max_length, name, f"--max_length {args.max_length}",
+                     f"set --max_length <= {max_positions(model)}")
     if args.data:
         records = load_records(args.data, split=args.split, limit=args.batch_size)
     else:
@@ -162,13 +179,16 @@ def profile_pair(args: ProfileConfig) -> dict[str, Any]:
     )
     layer_map = None
     if args.layer_map:
-        layer_map = load_layer_map(
-            args.layer_map,
-            num_layers(student),
-            num_layers(teacher),
-            student_hash=config_hash(student),
-            teacher_hash=config_hash(teacher),
-        )
+        try:
+            layer_map = load_layer_map(
+                args.layer_map,
+                num_layers(student),
+                num_layers(teacher),
+                student_hash=config_hash(student),
+                teacher_hash=config_hash(teacher),
+            )
+        except (OSError, ValueError) as err:  # names the file and the fix
+            raise ConfigError(f"--layer_map: {err}") from None
     aligner = KVAligner(
         mode=args.mode,
         time_mode=args.time_mode,
@@ -184,9 +204,8 @@ def profile_pair(args: ProfileConfig) -> dict[str, Any]:
 
     # the stages one by one, as KVAligner.forward runs them
     idx = stage("time: index", lambda: aligner.time_index(tkv, skv), lambda i: i.lo)
-    soft = aligner._src_layers is None  # a soft (CKA) map needs an einsum; a one-hot one is a gather
     t_tl = stage(
-        "time+layer: gather" + (" + einsum" if soft else ""),
+        "time+layer: gather",  # one weighted gather, one-hot or soft (CKA) map alike
         lambda: (aligner.teacher_time_layer(tkv.keys, idx), aligner.teacher_time_layer(tkv.values, idx)),
     )
     s_l = stage(
@@ -231,6 +250,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_config(ProfileConfig, argv, "kvdistill profile", __doc__)
+    if args.json:
+        check_output_dir(Path(args.json).parent, "--json's directory")
     report = profile_pair(args)
     print(f"teacher {report['teacher']}: {report['teacher_kv']}")
     print(f"student {report['student']}: {report['student_kv']}   device {report['device']}")

@@ -21,12 +21,20 @@ from kvdistill.align.aligner import KVAligner, cache_dims
 from kvdistill.align.layer_map import build_layer_map
 from kvdistill.cache import SEGMENT_NAMES, extract_kv
 from kvdistill.capture import load_capture, tokenizer_hash, update_token_hash, weights_fingerprint
-from kvdistill.config import ConfigError
+from kvdistill.config import ConfigError, check_output_dir
 from kvdistill.data import DistillCollator, TeacherView, add_latent_token, load_records
 from kvdistill.fusion import TeacherFusion
 from kvdistill.io import read_json, write_json_atomic
 from kvdistill.losses import RelationKVLoss, build_kv_loss
-from kvdistill.models import config_hash, load_model, load_tokenizer, num_layers
+from kvdistill.models import (
+    check_length,
+    check_vocab,
+    config_hash,
+    load_model,
+    load_tokenizer,
+    max_positions,
+    num_layers,
+)
 from kvdistill.report import environment
 from kvdistill.teachers import Teacher, TeacherSet, load_teacher
 from kvdistill.train.config import KVDistillConfig, TeacherConfig, parse_config
@@ -88,11 +96,14 @@ def _kv_segments(cfg: KVDistillConfig) -> tuple[int, ...]:
 def _layer_map(cfg: KVDistillConfig, spec, student, teacher) -> torch.Tensor:
     L_s, L_t = num_layers(student), num_layers(teacher)
     kind = {"cka": "json"}.get(cfg.layer_map, cfg.layer_map)
-    return build_layer_map(
-        kind, L_s, L_t, k=cfg.layer_map_k, path=spec.layer_map,
-        student_hash=config_hash(student), teacher_hash=config_hash(teacher),
-        check_hashes=not cfg.ignore_layer_map_hash,
-    )
+    try:
+        return build_layer_map(
+            kind, L_s, L_t, k=cfg.layer_map_k, path=spec.layer_map,
+            student_hash=config_hash(student), teacher_hash=config_hash(teacher),
+            check_hashes=not cfg.ignore_layer_map_hash,
+        )
+    except (OSError, ValueError) as err:  # the builders name the file and the fix
+        raise ConfigError(f"teacher {spec.name}: {err}") from None
 
 
 def teacher_correctness(cfg: KVDistillConfig, teachers: TeacherSet, records: list[dict]) -> torch.Tensor:
@@ -139,19 +150,27 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
     """Load student, data and teachers as `cfg` names them (`teacher_weights=False`: teachers on
     the meta device, their outputs to come from a capture)."""
     set_seed(cfg.seed)
-    tokenizer = load_tokenizer(cfg.student)
-    student = load_model(cfg.student, dtype=cfg.student_dtype)
-    if cfg.student_input.startswith("latent:") and add_latent_token(tokenizer):
-        # the slot token is new to the student: one more embedding row (mean-initialised)
-        student.resize_token_embeddings(len(tokenizer))
     extra = [t.rationale_field for t in cfg.teacher_configs if t.rationale_field]
-    records = load_records(cfg.data, cfg.data_split, cfg.field_map, cfg.max_samples, extra_fields=extra)
+    # labelled records are learned: each answer must say which part is the final answer
+    records = load_records(cfg.data, cfg.data_split, cfg.field_map, cfg.max_samples, extra_fields=extra,
+                           require_final=True)
     for i, r in enumerate(records):
         r["index"] = i  # row id, for per-sample teacher weights
+    tokenizer = load_tokenizer(cfg.student)
+    student = load_model(cfg.student, dtype=cfg.student_dtype)
     use_teachers = bool(cfg.teacher_configs) and (cfg.kv_weight > 0 or cfg.codi_weight > 0 or cfg.logit_kd_weight > 0)
     specs = cfg.teacher_configs if use_teachers else []
     teachers = [load_teacher(s, tokenizer, untrained=cfg.teacher_control == "untrained", seed=cfg.seed,
                              weights=teacher_weights) for s in specs]
+    # before the latent slot token joins the student's tokenizer (teachers never read it)
+    for name, model, tok in [(f"student {cfg.student}", student, tokenizer),
+                             *((f"teacher {t.name}", t.model, t.tokenizer) for t in teachers)]:
+        check_vocab(model, tok, name)
+        check_length(model, cfg.max_length, name, f"max_length {cfg.max_length}",
+                     f"set max_length <= {max_positions(model)}")
+    if cfg.student_input.startswith("latent:") and add_latent_token(tokenizer):
+        # the slot token is new to the student: one more embedding row (mean-initialised)
+        student.resize_token_embeddings(len(tokenizer))
     if cfg.student_input != "full":  # privileged teachers read the full rationale: never the student's tokens
         for t in teachers:
             t.shares_student_tokens = False
@@ -302,6 +321,7 @@ def run_training(cfg: KVDistillConfig) -> Path:
 
 def main(argv: list[str]) -> int:
     cfg = parse_config(argv)  # a bad config fails here, before any model loads
+    check_output_dir(cfg.output_dir)  # and an output_dir it could not write to, before any training
     out = run_training(cfg)
     summary = out / "train_summary.json"
     if summary.exists():

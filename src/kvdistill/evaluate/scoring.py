@@ -31,7 +31,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from kvdistill.data import DEFAULT_TEMPLATE, format_prompt, pad_batch, tokenize_example
 from kvdistill.evaluate.answers import extract_answer, gold_answer, is_correct
 from kvdistill.evaluate.stats import wilson_interval
-from kvdistill.io import write_json_atomic
+from kvdistill.io import write_json_atomic, write_text_atomic
 from kvdistill.models import model_device
 
 CHAT_MODES = ("auto", "on", "off")
@@ -343,11 +343,8 @@ def write_results(result: Mapping[str, Any], out_dir: str | Path) -> tuple[Path,
     `summary.json` is written last, so its presence marks a finished evaluation.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     items_path, summary_path = out / "items.jsonl", out / "summary.json"
-    with items_path.open("w", encoding="utf-8") as fh:
-        for row in result.get("items", []):
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_text_atomic(items_path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in result.get("items", [])))
     summary = {k: v for k, v in result.items() if k != "items"}
     write_json_atomic(summary_path, summary, indent=2)
     return items_path, summary_path
