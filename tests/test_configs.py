@@ -16,8 +16,10 @@ from kvdistill.train.config import KVDistillConfig, TeacherConfig
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TRAIN_KEYS = {f.name for f in fields(KVDistillConfig)}
 TEACHER_KEYS = {f.name for f in fields(TeacherConfig)}
-ABLATIONS = sorted(p for p in CONFIGS.glob("**/*.yaml") if "base_config" in (yaml.safe_load(p.read_text()) or {}))
-TRAIN_YAMLS = sorted(p for p in CONFIGS.glob("**/*.yaml") if "accelerate" not in p.parts and p not in ABLATIONS)
+# configs/accelerate and configs/lm_eval hold other tools' formats (lm-eval tasks use `!function` tags)
+OURS = sorted(p for p in CONFIGS.glob("**/*.yaml") if not {"accelerate", "lm_eval"} & set(p.parts))
+ABLATIONS = [p for p in OURS if "base_config" in (yaml.safe_load(p.read_text()) or {})]
+TRAIN_YAMLS = [p for p in OURS if p not in ABLATIONS]
 
 
 def _check_train_config(cfg: dict, where: str) -> None:

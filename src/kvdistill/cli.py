@@ -10,6 +10,7 @@ problem and the fix and exits 2; `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -71,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(f"kvdistill {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if debug or err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        # a full disk mid-run: what was written last is incomplete, the last complete checkpoint is not
+        print(f"kvdistill {argv[0]}: error: no space left on the device ({err.filename or err}); free space or "
+              "point output_dir elsewhere, then rerun (training: --resume_from_checkpoint last)", file=sys.stderr)
         return 2
 
 

@@ -2,6 +2,7 @@
 training, or in the middle of writing a checkpoint) resumes with `last` and ends where an
 uninterrupted run ends."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -115,5 +116,28 @@ def test_kill_during_training_then_resume_last(uninterrupted, base_args, tmp_pat
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL  # killed, not finished: the test would prove nothing otherwise
     assert not (out / "train_summary.json").exists()
+    assert train_main([*argv, "--resume_from_checkpoint", "last"]) == 0
+    _assert_same_end(uninterrupted, out)
+
+
+def test_full_disk_while_saving_is_one_line_then_resumes(uninterrupted, base_args, tmp_path, monkeypatch, capsys):
+    from kvdistill.cli import main as cli_main
+    from kvdistill.train.trainer import KVDistillTrainer
+
+    out = tmp_path / "full_disk"
+    argv = _argv(base_args, out)
+    save = KVDistillTrainer._save
+
+    def full(self, output_dir=None, state_dict=None):
+        if output_dir and output_dir.endswith("checkpoint-4"):
+            raise OSError(errno.ENOSPC, "No space left on device", output_dir)
+        return save(self, output_dir, state_dict)
+
+    monkeypatch.setattr(KVDistillTrainer, "_save", full)
+    assert cli_main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert "no space left on the device" in err[-1] and "--resume_from_checkpoint last" in err[-1]
+    monkeypatch.setattr(KVDistillTrainer, "_save", save)
     assert train_main([*argv, "--resume_from_checkpoint", "last"]) == 0
     _assert_same_end(uninterrupted, out)
