@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from kvdistill.align.aligner import KVAligner
-from kvdistill.align.layer_map import last_k_map
+from kvdistill.align.heads import flatten_heads
+from kvdistill.align.layer_map import apply_layer_map, last_k_map
+from kvdistill.align.time import resample
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING, KVCache
+from kvdistill.losses import aligned_kv_loss, build_kv_loss
 
 
 def _cache(L, H, T, D, B=2, *, grad=False, pad=0, segments=True) -> KVCache:
@@ -141,8 +144,8 @@ def test_summary_and_repr_report_parameters():
 @pytest.mark.parametrize(
     "M",
     [
-        torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.25, 0.75]]),  # soft (CKA top-k): einsum path
-        torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]),  # one-hot: folded into the time gather
+        torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.25, 0.75]]),  # soft (CKA top-k)
+        torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]),  # one-hot
         torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]),  # last_k: one distilled layer
     ],
 )
@@ -155,3 +158,44 @@ def test_layer_maps_match_einsum_reference(M):
     torch.testing.assert_close(out.teacher_keys, ref, atol=1e-6, rtol=0)
     torch.testing.assert_close(out.student_keys, student.keys[rows].transpose(2, 3))
     assert out.student_layers.tolist() == rows.tolist()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"time_mode": "segment"},
+        {"time_mode": "index", "share_layers": False},  # per-layer projectors: one weight set per group
+        {"time_mode": "global", "project_values": False},  # values take the plain stages
+    ],
+)
+@pytest.mark.parametrize("soft_map", [False, True])
+def test_fused_path_equals_plain_stages_and_primitives(kwargs, soft_map):
+    """Flat linear aligner: fused gather + projection == the stages one by one == resample, einsum,
+    flatten, projector written out here; loss values and every gradient."""
+    teacher, student = _cache(4, 2, 9, 8, pad=2), _cache(3, 2, 9, 8 if "project_values" in kwargs else 4, grad=True, pad=1)
+    M = torch.tensor([[0.6, 0.4, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.3, 0.7]]) if soft_map else None
+    aligner = KVAligner(mode="flat", projector="linear", layer_map=M, **kwargs)
+    aligner.setup(teacher, student)
+    with torch.no_grad():
+        for p in aligner.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    loss_fn = build_kv_loss("mercator", beta=0.01)
+    params = [*aligner.parameters(), student.keys, student.values]
+
+    def loss_and_grads(fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        aligner.fused = fused
+        out = aligner(teacher, student)
+        loss, _ = aligned_kv_loss(loss_fn, out)
+        return loss, [*torch.autograd.grad(loss, params), out.teacher_keys]
+
+    fused, plain = loss_and_grads(True), loss_and_grads(False)
+    torch.testing.assert_close(fused[0], plain[0])
+    for a, b in zip(fused[1], plain[1]):
+        torch.testing.assert_close(a, b)
+    # the primitives: time resample of every teacher layer, layer-map einsum, flatten, projector
+    idx = aligner.time_index(teacher, student)
+    x = apply_layer_map(aligner.layer_map[aligner.layer_index], resample(teacher.keys, idx, time_dim=3))
+    proj = aligner.k_proj.proj
+    ref = flatten_heads(x)  # [L_m, B, T_s, H*D]
+    ref = proj(ref) if proj.groups == 1 else torch.einsum("lbtf,lof->lbto", ref, proj.weight) + proj.bias[:, None, None]
+    torch.testing.assert_close(fused[1][-1], ref)

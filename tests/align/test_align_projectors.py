@@ -6,10 +6,12 @@ import pytest
 import torch
 from torch import nn
 
+from kvdistill.align import projectors
 from kvdistill.align.projectors import (
     PROJECTOR_KINDS,
     ElasticBottleneck,
     LinearProjector,
+    bag_linear,
     build_projector,
 )
 from kvdistill.report import param_count
@@ -97,3 +99,38 @@ def test_errors_name_the_problem():
         build_projector("linear", 4, 2)(torch.randn(3, 5))
     with pytest.raises(ValueError, match="G=2"):
         build_projector("linear", 4, 2, groups=2)(torch.randn(3, 5, 4))
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("chunk_numel", [1 << 19, 40])  # one chunk per group; several (and a ragged last one)
+def test_bag_linear_equals_linear_of_the_gathered_rows(monkeypatch, groups, chunk_numel):
+    """Chunked gather + projection (never storing the gathered input) == gather, then the projector."""
+    monkeypatch.setattr(projectors, "_BAG_CHUNK_NUMEL", chunk_numel)
+    G, N, H, K, D = 3, 7, 2, 4, 5
+    table = torch.randn(40, D, dtype=torch.float64)
+    rows = torch.randint(0, 40, (G, N, H, K))
+    weights = torch.rand(G, N, H, K, dtype=torch.float64)
+    proj = LinearProjector(H * D, 6, groups=groups).double().proj
+    gathered = torch.nn.functional.embedding_bag(
+        rows.reshape(-1, K), table, per_sample_weights=weights.reshape(-1, K), mode="sum"
+    ).view(G, N, H * D)
+    ref = proj(gathered)  # [G, N, 6]
+    grad_out = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, [proj.weight, proj.bias], grad_out)
+    out = bag_linear(table, rows, weights, proj)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(torch.autograd.grad(out, [proj.weight, proj.bias], grad_out), ref_grads)
+
+
+def test_bag_linear_casts_a_bf16_table_per_chunk():
+    table = torch.randn(30, 4).bfloat16()
+    rows, weights = torch.randint(0, 30, (1, 5, 2, 2)), torch.rand(1, 5, 2, 2)
+    proj = LinearProjector(8, 3).proj  # fp32 weights
+    out = bag_linear(table, rows, weights, proj)
+    gathered = torch.nn.functional.embedding_bag(
+        rows.reshape(-1, 2), table, per_sample_weights=weights.reshape(-1, 2).bfloat16(), mode="sum"
+    )
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, proj(gathered.float().view(1, 5, 8)))
+    with pytest.raises(ValueError, match="expects 8 features"):
+        bag_linear(table, rows[..., :1, :], weights[..., :1, :], proj)

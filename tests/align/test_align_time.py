@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvdistill.align.layer_map import apply_layer_map, sparse_layer_map
 from kvdistill.align.time import resample, resample_kv, time_index
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING
 
@@ -125,3 +126,26 @@ def test_resample_kv_is_time_major_resample_with_layer_pick():
     x_g = x.clone().requires_grad_()
     resample_kv(x_g, idx).sum().backward()
     assert x_g.grad is not None and x_g.grad[:, 0, :, 5:].abs().sum() == 0  # padded teacher rows unused
+
+
+@pytest.mark.parametrize("mode", ["segment", "index"])
+def test_resample_kv_with_a_soft_layer_map_is_resample_then_einsum(mode):
+    """The fused gather equals the plain stages: `resample` over time, then the layer map's einsum."""
+    P, R, A = PROMPT, REASONING, ANSWER
+    t_seg = torch.tensor([[P, P, R, R, R, R, A, PAD], [PAD, P, P, P, R, R, R, A]])
+    s_seg = torch.tensor([[P, R, R, R, R, A, PAD, PAD], [P, P, R, R, R, A, A, PAD]])
+    if mode == "index":
+        s_seg = t_seg
+    idx = time_index(t_seg >= 0, t_seg, s_seg >= 0, s_seg, mode=mode)
+    x = torch.randn(5, 2, 3, 8, 4, dtype=torch.float64)  # [L_t, B, H, T_t, D]
+    M = torch.zeros(3, 5, dtype=torch.float64)  # a CKA-like top-2 map, and one row of a single layer
+    M[0, [0, 1]] = torch.tensor([0.7, 0.3], dtype=torch.float64)
+    M[1, [2, 4]] = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    M[2, 3] = 1.0
+    ref = apply_layer_map(M, resample(x, idx, time_dim=3)).transpose(2, 3)  # [L_s, B, T_s, H, D]
+    layers, weights = sparse_layer_map(M)
+    torch.testing.assert_close(resample_kv(x, idx, layers, weights), ref)
+    # bf16 caches stay bf16, within bf16 rounding of the fp64 reference
+    out_bf16 = resample_kv(x.bfloat16(), idx, layers, weights)
+    assert out_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(out_bf16.double(), ref, atol=0.05, rtol=0.02)

@@ -101,6 +101,25 @@ def test_float32_grams_match_float64():
 
 
 @pytest.mark.parametrize("debiased", DEBIASED)
+def test_streaming_float32_matches_float64_under_large_offsets(debiased):
+    """float32 Grams (features centred twice, no Gram re-centring, float64 pair products) keep CKA to
+    1e-7 under offsets of 1e5 (a one-pass float32 mean leaves ~1e-5 here)."""
+    x, y = torch.randn(3, 1024, 32), torch.randn(4, 1024, 48)
+    y[:, :, :32] += x[[0, 1, 2, 2]]
+    x, y = x + 1e5 * torch.rand(1, 1, 32), y - 1e5  # massive shared activations
+    got, want = StreamingCKA(1024, debiased=debiased, dtype=torch.float32), StreamingCKA(1024, debiased=debiased)
+    got.update(x, y)
+    want.update(x.double(), y.double())
+    torch.testing.assert_close(got.compute(), want.compute(), atol=1e-7, rtol=0)
+
+
+def test_gram_of_centred_features_is_already_double_centred():
+    k = gram(torch.randn(2, 30, 7) + 100.0, dtype=torch.float32)  # [2, n, n]
+    torch.testing.assert_close(center_gram(k), k, atol=1e-3, rtol=1e-5)  # entries ~ 7: exact to rounding
+    assert k.mean(dim=-1).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("debiased", DEBIASED)
 def test_streaming_equals_full_batch(debiased):
     x, y = torch.randn(3, 37, 6), torch.randn(2, 37, 9)
     y[0, :, :6] += x[2]

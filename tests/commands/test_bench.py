@@ -94,3 +94,72 @@ def test_broken_benchmark_is_recorded(bench_dir: Path, tmp_path: Path) -> None:
 
 def test_unknown_name(bench_dir: Path, tmp_path: Path) -> None:
     assert cli_main(["bench", "--benchmarks-dir", str(bench_dir), "--only", "nope", "--out", str(tmp_path)]) == 2
+
+
+HEADLINES = """
+def run(quick: bool) -> dict:
+    return {"results": [{"case": "x", "ms": 2.0}], "ratio": 1.2, "target": 1.3, "passed": True, "over_floor": 1.2}
+"""
+
+SPEEDUP = """
+def run(quick: bool) -> dict:
+    return {"results": [{"case": "x", "ms": 2.0}], "ratio": 2.5, "target": 3.0, "passed": False, "speedup": 2.5}
+"""
+
+
+def test_headlines_name_what_the_ratio_is(bench_dir: Path, tmp_path: Path) -> None:
+    (bench_dir / "bench_floor.py").write_text(HEADLINES)
+    (bench_dir / "bench_cached.py").write_text(SPEEDUP)
+    out = tmp_path / "results"
+    assert bench.main(["--benchmarks-dir", str(bench_dir), "--only", "floor,cached,fake", "--out", str(out)]) == 0
+    readme = (out / "README.md").read_text()
+    assert "| floor | over_floor | 1.2 | ≤ 1.3 | yes |" in readme
+    assert "| cached | speedup | 2.5 | ≥ 3 | no |" in readme
+    assert "| fake | ratio | 2.5 | 2 | yes |" in readme  # no headline key: the plain ratio, as before
+    assert "over_floor: **1.2** (time / floor, lower is better) · target: **≤ 1.3** · passed: **yes**" in readme
+    assert "speedup: **2.5** (baseline time / time, higher is better) · target: **≥ 3**" in readme
+    assert "load average" in readme and "load_average" in json.loads((out / "floor.json").read_text())
+
+
+def test_interleaved_times_alternate_cases_and_pair_ratios() -> None:
+    calls: list[str] = []
+    t = bench.interleaved_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, warmup=1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then the order flips every repeat
+    assert len(t.wall["a"]) == len(t.cpu["b"]) == 3
+    t = bench.Timings(wall={"a": [2.0, 9.0, 3.0], "b": [1.0, 3.0, 1.0]}, cpu={"a": [1.0], "b": [1.0]})
+    assert t.ratio("a", "b") == 3.0 and t.ms("a") == 3000.0  # medians: of the paired ratios (2, 3, 3), of a
+    assert t.ratio("a", "b", "cpu") == 1.0
+
+
+@pytest.mark.parametrize("name", ["align", "cka"])
+def test_real_benchmark_quick_run(tmp_path: Path, name: str) -> None:
+    """The repository's benchmark end to end in quick mode: headline against its floor, stage rows."""
+    out = tmp_path / "results"
+    bench.main(["--only", name, "--quick", "--out", str(out)])
+    rec = json.loads((out / f"{name}.json").read_text())
+    res = rec["result"]
+    assert "error" not in rec and rec["quick"] is True
+    assert res["ratio"] == res["over_floor"] > 1.0 and res["target"] == 1.3
+    assert res["passed"] == (res["over_floor"] <= 1.3)
+    cases = [r["case"] for r in res["results"]]
+    if name == "align":
+        assert res["max_abs_diff_fused_vs_plain"] < 1e-6 and res["max_abs_grad_diff"] < 1e-6
+        assert res["max_abs_diff_fused_vs_naive"] < 1e-5
+        assert "stage: backward (fused - fused forward)" in cases and cases[3].startswith("floor")
+    else:
+        assert res["max_abs_diff_pairwise_vs_batched"] < 1e-6 and cases[1].startswith("floor")
+    assert f"over_floor: **{bench._cell(res['over_floor'])}**" in (out / "README.md").read_text()
+
+
+def test_capture_benchmark_quick_run(tmp_path: Path) -> None:
+    """Live teachers vs a real `kvdistill capture` read by the trainer, one short epoch each."""
+    out = tmp_path / "results"
+    bench.main(["--only", "capture", "--quick", "--out", str(out)])
+    rec = json.loads((out / "capture.json").read_text())
+    assert "error" not in rec, rec.get("traceback")
+    res = rec["result"]
+    assert res["ratio"] == res["speedup"] > 0 and res["passed"] == (res["speedup"] >= 3.0)
+    one, two = res["results"]
+    assert one["teachers_x"] < two["teachers_x"] and one["steps"] == two["steps"] == 4
+    assert one["capture_mib"] > 0 and two["capture_mib"] > one["capture_mib"]  # two teachers stored
+    assert "| capture | speedup |" in (out / "README.md").read_text()

@@ -9,6 +9,7 @@ import torch
 
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING
 from kvdistill.losses import LOSSES, aligned_kv_loss, build_kv_loss
+from kvdistill.losses.kv import dot_and_norms
 
 
 def _pair(s, t):
@@ -183,3 +184,39 @@ def test_aligned_kv_loss_averages_keys_and_values():
     torch.testing.assert_close(loss, (lk + lv) / 2)
     assert metrics["cos_sim"].abs().item() < 1e-5  # +cos and -cos cancel
     assert "k_loss_reasoning" in metrics and "v_cos_sim_per_layer" in metrics
+
+
+def test_dot_and_norms_values_and_gradients_equal_autograd_of_the_plain_ops():
+    s = torch.randn(3, 2, 5, 4, 6, dtype=torch.float64)
+    t = torch.randn(3, 2, 5, 4, 6, dtype=torch.float64)
+    s[0, 0, 0] = 0.0  # zero rows: the norm's gradient there is 0, not NaN
+    t[1, 1, 2, 3] = 0.0
+    gs = [torch.randn(3, 2, 5, 4, dtype=torch.float64) for _ in range(3)]
+
+    def grads(fn):
+        a, b = s.clone().requires_grad_(), t.clone().requires_grad_()
+        outs = fn(a, b)
+        return outs, torch.autograd.grad(sum((o * g).sum() for o, g in zip(outs, gs)), [a, b])
+
+    outs, got = grads(dot_and_norms)
+    ref_outs, want = grads(lambda a, b: ((a * b).sum(-1), a.norm(dim=-1), b.norm(dim=-1)))
+    for x, y in zip([*outs, *got], [*ref_outs, *want]):
+        torch.testing.assert_close(x, y)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
+
+
+@pytest.mark.parametrize("kind", ["cosine", "mercator", "hybrid"])
+def test_loss_gradients_equal_the_plain_formula(kind):
+    """The losses through `dot_and_norms` give the values and gradients of the textbook formula."""
+    s = torch.randn(2, 2, 6, 8, requires_grad=True)  # [L, B, T, F]; the losses compute in fp32
+    t = torch.randn(2, 2, 6, 8, requires_grad=True)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    loss, _ = build_kv_loss(kind, **({} if kind == "cosine" else {"beta": 0.01}))(s, t, mask)
+    cos = torch.nn.functional.cosine_similarity(s, t, dim=-1, eps=1e-8)  # [L, B, T]
+    mercator = (1 - cos) + 0.01 * (s.norm(dim=-1).log() - t.norm(dim=-1).log()) ** 2
+    elem = {"cosine": 1 - cos, "mercator": mercator, "hybrid": 0.8 * mercator + 0.2 * (s - t).pow(2).mean(-1)}[kind]
+    ref = (elem.mean(0) * mask).sum() / mask.sum()
+    torch.testing.assert_close(loss, ref)
+    for a, b in zip(torch.autograd.grad(loss, [s, t]), torch.autograd.grad(ref, [s, t])):
+        torch.testing.assert_close(a, b)

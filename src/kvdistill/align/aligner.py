@@ -8,9 +8,11 @@ teacher KVCache [L_t, B, H_t, T_t, D_t]
   -> dim    K and V projectors             flat: [L_m, B, T_s, H_s*D_s]   structured: [L_m, B, T_s, H_s, D_s]
 ```
 `L_m` = student layers with a non-zero row in the layer map (all of them unless `last_k`).
-Time and layer alignment are linear maps on different axes, so they commute: the time gather
-writes straight into the time-major layout (flattening heads is then a view), and a one-hot layer
-map (proportional, last_k) is folded into that same gather instead of a dense einsum.
+Time and layer alignment are linear maps on different axes, so they commute: one weighted gather
+(`resample_kv`) reads, for every student token and mapped layer, the two teacher positions of the
+lerp in each teacher layer of the layer-map row (one for proportional / last_k, the top-k of a
+CKA map), and writes straight into the time-major layout (flattening heads is then a view). No
+layer of the teacher cache is copied or resampled unless the map reads it.
 With `direction="student_to_teacher"` the head and dim stages run on the student instead, mapping
 it into the teacher's space (DistillKit's choice); time and layer alignment still bring the teacher
 to the student's tokens and layers.
@@ -32,9 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from kvdistill.align.heads import HeadMixer, HeadwiseProjector, time_major
-from kvdistill.align.layer_map import apply_layer_map, mapped_rows, proportional_map, validate_layer_map
-from kvdistill.align.projectors import PROJECTOR_KINDS, build_projector
-from kvdistill.align.time import TIME_MODES, TimeIndex, resample_kv, time_index
+from kvdistill.align.layer_map import mapped_rows, proportional_map, sparse_layer_map, validate_layer_map
+from kvdistill.align.projectors import PROJECTOR_KINDS, LinearProjector, bag_linear, build_projector
+from kvdistill.align.time import TIME_MODES, TimeIndex, kv_bags, resample_kv, time_index
 from kvdistill.cache import KVCache
 from kvdistill.report import param_count
 
@@ -153,12 +155,15 @@ class KVAligner(nn.Module):
         self._dims: dict[str, int] = {}
         self.register_buffer("layer_map", None if layer_map is None else validate_layer_map(layer_map))
         self.register_buffer("layer_index", None, persistent=False)
-        self.register_buffer("_src_layers", None, persistent=False)  # one-hot map: teacher layer per row
-        self._mapped: Tensor | None = None  # soft map: the mapped rows of M
+        # the mapped rows of M as (teacher layers, weights) [L_m, k], read by the time gather
+        self.register_buffer("_src_layers", None, persistent=False)
+        self.register_buffer("_src_weights", None, persistent=False)
         self.k_mix: nn.Module | None = None
         self.v_mix: nn.Module | None = None
         self.k_proj: nn.Module | None = None
         self.v_proj: nn.Module | None = None
+        # False runs the stages one after another (the reference path; see `teacher_aligned`)
+        self.fused = True
 
     # ------------------------------------------------------------------ building
     @property
@@ -243,10 +248,7 @@ class KVAligner(nn.Module):
             )
         self.layer_map = M
         self.layer_index = rows
-        mapped = M.index_select(0, rows)  # [L_m, L_t]
-        one_hot = bool(((mapped == 0) | (mapped == 1)).all())
-        self._mapped = None if one_hot else mapped
-        self.register_buffer("_src_layers", mapped.argmax(1) if one_hot else None, persistent=False)
+        self._src_layers, self._src_weights = sparse_layer_map(M.index_select(0, rows))  # [L_m, k] each
         self._dims = d
         if device is not None:
             self.to(device=device)
@@ -277,14 +279,14 @@ class KVAligner(nn.Module):
                 f"teacher batch size {teacher.keys.shape[1]} != student batch size {student.keys.shape[1]}"
             )
         idx = self.time_index(teacher, student)
-        t_k, t_v = self.teacher_time_layer(teacher.keys, idx), self.teacher_time_layer(teacher.values, idx)
         s_k, s_v = self.student_layers(student.keys), self.student_layers(student.values)
         if self.direction == "teacher_to_student":
-            t_k, t_v = self.head_dim(t_k, "key"), self.head_dim(t_v, "value")
+            t_k, t_v = self.teacher_aligned(teacher, idx)
             s_k, s_v = self._layout(s_k), self._layout(s_v)
         else:
             s_k, s_v = self.head_dim(s_k, "key"), self.head_dim(s_v, "value")
-            t_k, t_v = self._layout(t_k), self._layout(t_v)
+            t_k = self._layout(self.teacher_time_layer(teacher.keys, idx))
+            t_v = self._layout(self.teacher_time_layer(teacher.values, idx))
         mask = student.attention_mask.bool() & idx.valid  # [B, T_s]
         return AlignedKV(s_k, s_v, t_k, t_v, mask, student.segment_ids, self.layer_index)
 
@@ -302,14 +304,35 @@ class KVAligner(nn.Module):
     def teacher_time_layer(self, x: Tensor, idx: TimeIndex) -> Tensor:
         """Time + layer alignment of teacher keys or values: `[L_t, B, H_t, T_t, D_t] -> [L_m, B, T_s, H_t, D_t]`.
 
-        Both are linear maps on different axes and commute: one gather writes straight into the
-        time-major layout; a one-hot layer map is folded into that gather, a soft one is an einsum.
+        Both are linear maps on different axes and commute: one weighted gather reads only the
+        teacher layers the map uses and writes straight into the time-major layout.
         """
         x = x.detach().to(self.layer_map.device)
-        if self._src_layers is not None:
-            return resample_kv(x, idx, self._src_layers)  # [L_m, B, T_s, H_t, D_t]
-        x = resample_kv(x, idx)  # [L_t, B, T_s, H_t, D_t]
-        return apply_layer_map(self._mapped, x)  # [L_m, B, T_s, H_t, D_t]
+        return resample_kv(x, idx, self._src_layers, self._src_weights)  # [L_m, B, T_s, H_t, D_t]
+
+    def teacher_aligned(self, teacher: KVCache, idx: TimeIndex) -> tuple[Tensor, Tensor]:
+        """Teacher keys and values through all four stages (`direction="teacher_to_student"`).
+
+        With `fused` (the default), a flat linear projector runs inside the time + layer gather
+        (`bag_linear`): the aligned teacher `[L_m, B, T_s, H_t*D_t]`, the largest tensor of the
+        step, is built and projected one chunk at a time and never stored (nor upcast whole from
+        a bf16 cache). Otherwise, and for the other projectors, the stages run one after another.
+        """
+        out = []
+        bags = None
+        for x, which in ((teacher.keys, "key"), (teacher.values, "value")):
+            proj = self.k_proj if which == "key" else self.v_proj
+            if not (self.fused and self.mode == "flat" and isinstance(proj, LinearProjector)):
+                out.append(self.head_dim(self.teacher_time_layer(x, idx), which))
+                continue
+            x = x.detach().to(self.layer_map.device)
+            if bags is None:  # keys and values read the same rows
+                bags = kv_bags(x.shape, idx.to(x.device), self._src_layers, self._src_weights)
+            L_m, B, T_s, H, K = bags[0].shape
+            rows, weights = (b.view(L_m, B * T_s, H, K) for b in bags)
+            y = bag_linear(x.reshape(-1, x.shape[-1]), rows, weights, proj.proj)  # [L_m, B*T_s, F_s]
+            out.append(y.view(L_m, B, T_s, -1))
+        return out[0], out[1]
 
     def student_layers(self, x: Tensor) -> Tensor:
         """The distilled student layers, time-major: `[L_s, B, H_s, T_s, D_s] -> [L_m, B, T_s, H_s, D_s]`."""
@@ -341,11 +364,13 @@ class KVAligner(nn.Module):
         return torch.float32 if p is None else p.dtype
 
     # ------------------------------------------------------------------ save / load
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, state: dict[str, Tensor] | None = None) -> Path:
         """Write weights (safetensors) and constructor args + dims (JSON).
 
         `path` is a directory (-> `aligner.safetensors` + `aligner.json` inside) or a file ending
-        in `.safetensors` (-> the JSON next to it, same stem). Returns the weights path.
+        in `.safetensors` (-> the JSON next to it, same stem). `state`: the weights to write instead
+        of the live ones (under FSDP the live modules hold shards; the gathered state is whole).
+        Returns the weights path.
         """
         from safetensors.torch import save_file
 
@@ -353,7 +378,7 @@ class KVAligner(nn.Module):
             raise ValueError("KVAligner has no parameters yet: call setup(teacher, student) before save")
         weights, meta = _paths(Path(path))
         weights.parent.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in (self.state_dict() if state is None else state).items()}
         save_file(state, str(weights), metadata={"format": ALIGNER_FORMAT})
         meta.write_text(
             json.dumps({"format": ALIGNER_FORMAT, "config": self.config, "dims": self._dims}, indent=1)

@@ -12,7 +12,13 @@ Exact streaming of the full-batch statistic needs `Σ Xᵀ Y` for every layer pa
 average HSIC over minibatches of `n_b` rows: each minibatch costs one Gram `[L, n_b, n_b]` per
 model (`(24 + 28) · 1024² · 8 B` = 436 MB in float64 at `n_b = 1024`) and all `L_s × L_t` pairs
 come from one matmul of the flattened Grams `[L_s, n_b²] @ [n_b², L_t]`; only `[L_s, L_t]`,
-`[L_s]` and `[L_t]` sums survive a minibatch. With `debiased=True` each minibatch uses the
+`[L_s]` and `[L_t]` sums survive a minibatch.
+
+**Cost.** The Gram matmuls (`2 n_b² d` flops per layer) are nearly all of it: the features are
+centred one layer at a time (a centred copy of a whole 28 x 3584-dim minibatch would be 411 MB
+to write and read back), a Gram of centred features is already double-centred (so the plain
+estimator needs no further centring), and the pair products are one matmul accumulated in float64
+over cache-sized column chunks (no float64 copy of the Grams). With `debiased=True` each minibatch uses the
 unbiased HSIC estimator (Song et al. 2012), so the average is an unbiased estimate of the
 population HSIC whatever `n_b` is; the biased (plain) estimator carries an `O(1/n_b)` bias.
 
@@ -49,8 +55,12 @@ _MAX_MONOTONIC_STATES = 1 << 22
 def gram(x: Tensor, *, dtype: torch.dtype = torch.float64) -> Tensor:
     """Linear-kernel Gram matrices of column-centred features.
 
-    Centring the features first (mean in float64) keeps large shared offsets out of the Gram, so
-    `dtype=float32` stays accurate; HSIC is translation invariant, so the result is unchanged.
+    Centring the features first keeps large shared offsets out of the Gram, so `dtype=float32`
+    stays accurate; HSIC is translation invariant, so the result is unchanged. The mean is taken
+    twice (of the features, then of what is left after subtracting it), so the columns are centred
+    to the rounding of their own values, not of the offset; the Gram is then double-centred
+    already (`H K H = K`: its row and column means are zero). One matrix at a time: only one
+    centred `[n, d]` copy exists at once.
 
     Args:
         x: `[..., n, d]` features (any dtype; upcast).
@@ -59,9 +69,15 @@ def gram(x: Tensor, *, dtype: torch.dtype = torch.float64) -> Tensor:
     Returns:
         `[..., n, n]` Gram matrices `Xc Xcᵀ`.
     """
-    mean = x.sum(dim=-2, keepdim=True, dtype=torch.float64) / x.shape[-2]  # [..., 1, d], no float64 copy of x
-    xc = x.to(dtype) - mean.to(dtype)  # [..., n, d]
-    return xc @ xc.transpose(-1, -2)  # [..., n, n]
+    n, d = x.shape[-2:]
+    xs = x.reshape(-1, n, d)  # [M, n, d]
+    out = torch.empty(xs.shape[0], n, n, dtype=dtype, device=x.device)  # [M, n, n]
+    for i in range(xs.shape[0]):
+        xc = xs[i].to(dtype)  # [n, d]
+        xc = xc - xc.mean(dim=0)
+        xc -= xc.mean(dim=0)  # the residual: the first mean's rounding error, |offset| * eps
+        torch.mm(xc, xc.T, out=out[i])
+    return out.view(*x.shape[:-2], n, n)
 
 
 def center_gram(k: Tensor, *, debiased: bool = False) -> Tensor:
@@ -98,24 +114,51 @@ def _hsic_norm(n: int, debiased: bool) -> float:
     return float(n * (n - 3)) if debiased else float((n - 1) ** 2)
 
 
+# columns of the flattened Grams per float64 product chunk (a few MB: the upcast stays in cache)
+_PRODUCT_CHUNK = 1 << 14
+
+
 def hsic_matrix(kx: Tensor, ky: Tensor, *, debiased: bool = False) -> Tensor:
-    """HSIC between every pair of centred Grams, in one matmul.
+    """HSIC between every pair of centred Grams, in one matmul (float64).
 
     Args:
-        kx: `[L_x, n, n]` Grams centred with `center_gram(..., debiased=debiased)`.
+        kx: `[L_x, n, n]` Grams centred with `center_gram(..., debiased=debiased)` (or, plain
+            estimator, Grams of centred features: `gram`'s output).
         ky: `[L_y, n, n]` likewise.
 
     Returns:
-        `[L_x, L_y]` HSIC estimates.
+        `[L_x, L_y]` float64 HSIC estimates. Lower-precision Grams are multiplied in float64 one
+        column chunk at a time, so no float64 copy of a whole stack is made.
     """
-    n = kx.shape[-1]
-    hsic = kx.flatten(1) @ ky.flatten(1).transpose(0, 1)  # [L_x, n²] @ [n², L_y] -> [L_x, L_y]
-    return hsic / _hsic_norm(n, debiased)
+    a, b = kx.flatten(1), ky.flatten(1)  # [L_x, n²], [L_y, n²]
+    if a.dtype == b.dtype == torch.float64:
+        hsic = a @ b.T  # [L_x, n²] @ [n², L_y] -> [L_x, L_y]
+    else:
+        hsic = a.new_zeros(a.shape[0], b.shape[0], dtype=torch.float64)
+        for c in range(0, a.shape[1], _PRODUCT_CHUNK):
+            hsic.addmm_(a[:, c : c + _PRODUCT_CHUNK].double(), b[:, c : c + _PRODUCT_CHUNK].double().T)
+    return hsic / _hsic_norm(kx.shape[-1], debiased)
 
 
 def _self_hsic(kc: Tensor, debiased: bool) -> Tensor:
-    """`[L]` HSIC(K_l, K_l) of centred Grams `[L, n, n]` (the diagonal of `hsic_matrix`)."""
-    return kc.pow(2).sum(dim=(-2, -1)) / _hsic_norm(kc.shape[-1], debiased)
+    """`[L]` float64 HSIC(K_l, K_l) of centred Grams `[L, n, n]` (the diagonal of `hsic_matrix`)."""
+    a = kc.flatten(1)  # [L, n²]
+    total = a.new_zeros(a.shape[0], dtype=torch.float64)
+    for c in range(0, a.shape[1], _PRODUCT_CHUNK):
+        total += a[:, c : c + _PRODUCT_CHUNK].double().pow(2).sum(1)
+    return total / _hsic_norm(kc.shape[-1], debiased)
+
+
+def _hsic_stats(x: Tensor, y: Tensor, debiased: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """`(HSIC(X, Y) [L_x, L_y], HSIC(X, X) [L_x], HSIC(Y, Y) [L_y])` of features `[L, n, d]`, float64.
+
+    One Gram matmul per layer; the plain estimator uses the Grams of centred features as they are
+    (already double-centred), the debiased one U-centres them.
+    """
+    kx, ky = gram(x, dtype=dtype), gram(y, dtype=dtype)  # [L_x, n, n], [L_y, n, n]
+    if debiased:
+        kx, ky = center_gram(kx, debiased=True), center_gram(ky, debiased=True)
+    return hsic_matrix(kx, ky, debiased=debiased), _self_hsic(kx, debiased), _self_hsic(ky, debiased)
 
 
 def _cka_from_sums(hsic_xy: Tensor, hsic_xx: Tensor, hsic_yy: Tensor) -> Tensor:
@@ -140,11 +183,7 @@ def cka_matrix(x: Tensor, y: Tensor, *, debiased: bool = False, dtype: torch.dty
         raise ValueError(
             f"expected x [L_x, n, d_x] and y [L_y, n, d_y]; got {tuple(x.shape)}, {tuple(y.shape)}"
         )
-    kx = center_gram(gram(x, dtype=dtype).double(), debiased=debiased)  # [L_x, n, n]
-    ky = center_gram(gram(y, dtype=dtype).double(), debiased=debiased)  # [L_y, n, n]
-    return _cka_from_sums(
-        hsic_matrix(kx, ky, debiased=debiased), _self_hsic(kx, debiased), _self_hsic(ky, debiased)
-    )
+    return _cka_from_sums(*_hsic_stats(x, y, debiased, dtype))
 
 
 def linear_cka(x: Tensor, y: Tensor, *, debiased: bool = False, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -165,8 +204,9 @@ class StreamingCKA:
         CKA = Σ_b n_b HSIC_b(X, Y) / sqrt(Σ_b n_b HSIC_b(X, X) · Σ_b n_b HSIC_b(Y, Y)).
 
     Memory: the buffer (< `minibatch_size` rows in the caller's dtype, plus one update), one
-    minibatch upcast to `dtype` and its Grams `[L, n_b, n_b]` (float64); nothing grows with the
-    number of rows seen. 24 x 28 layers, 896 / 3584 dims, `n_b = 1024`: about 2 GB at float64.
+    layer of one minibatch upcast to `dtype` and the minibatch's Grams `[L, n_b, n_b]` in `dtype`;
+    nothing grows with the number of rows seen. 24 x 28 layers, `n_b = 1024`: 436 MB of Grams at
+    float64, 218 MB at float32 (plus the debiased estimator's U-centred copy).
 
     Args:
         minibatch_size: rows per minibatch; `None` keeps every row and computes full-batch CKA
@@ -201,13 +241,8 @@ class StreamingCKA:
 
     def _minibatch_stats(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         n = x.shape[1]
-        kx = center_gram(gram(x, dtype=self.dtype).double(), debiased=self.debiased)  # [L_x, n, n]
-        ky = center_gram(gram(y, dtype=self.dtype).double(), debiased=self.debiased)  # [L_y, n, n]
-        return (
-            n * hsic_matrix(kx, ky, debiased=self.debiased),  # [L_x, L_y]
-            n * _self_hsic(kx, self.debiased),  # [L_x]
-            n * _self_hsic(ky, self.debiased),  # [L_y]
-        )
+        xy, xx, yy = _hsic_stats(x, y, self.debiased, self.dtype)  # [L_x, L_y], [L_x], [L_y]
+        return n * xy, n * xx, n * yy
 
     def _add(self, x: Tensor, y: Tensor) -> None:
         xy, xx, yy = self._minibatch_stats(x, y)

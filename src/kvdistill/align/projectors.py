@@ -100,6 +100,96 @@ class GroupedLinear(nn.Module):
         return f"{self.d_in} -> {self.d_out}{g}, bias={self.bias is not None}"
 
 
+# rows of the gathered input per chunk of `bag_linear` on CPU: 2**19 fp32 numbers (2 MiB) stay in
+# cache between the gather and the matmul; a whole [L, B, T, H*D] teacher copy does not
+_BAG_CHUNK_NUMEL = 1 << 19
+
+
+class _BagLinear(torch.autograd.Function):
+    """`y[l] = embedding_bag(rows[l], table, weights[l]) @ W[l]ᵀ + b[l]`, chunk by chunk.
+
+    The gathered input is never stored: the forward gathers a chunk, projects it and drops it;
+    the backward gathers it again for the weight gradient. No gradient reaches `table`.
+    """
+
+    @staticmethod
+    def forward(ctx, table: Tensor, rows: Tensor, weights: Tensor, weight: Tensor, bias: Tensor | None):
+        G, N, H, _ = rows.shape  # [G, N, H, K]: G groups (layers), N tokens, H bags of K rows per token
+        F_in, F_out = H * table.shape[1], weight.shape[-2]
+        W = weight.expand(G, F_out, F_in) if weight.dim() == 2 else weight  # [G, F_out, F_in]
+        out = torch.empty(G, N, F_out, dtype=weight.dtype, device=weight.device)
+        for g, lo, hi in _bag_chunks(table, G, N, F_in):
+            x = _gather(table, rows[g, lo:hi], weights[g, lo:hi]).to(weight.dtype)  # [n, F_in]
+            if bias is None:
+                torch.mm(x, W[g].t(), out=out[g, lo:hi])
+            else:
+                b = bias if bias.dim() == 1 else bias[g]
+                torch.addmm(b, x, W[g].t(), out=out[g, lo:hi])
+        ctx.save_for_backward(table, rows, weights, weight)
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        table, rows, weights, weight = ctx.saved_tensors
+        G, N, H, _ = rows.shape
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[3]:
+            grad_w = torch.zeros_like(weight)
+            gw = grad_w.expand(G, *weight.shape[-2:]) if weight.dim() == 2 else grad_w  # a view per group
+            for g, lo, hi in _bag_chunks(table, G, N, H * table.shape[1]):
+                x = _gather(table, rows[g, lo:hi], weights[g, lo:hi]).to(weight.dtype)  # [n, F_in]
+                gw[g].addmm_(grad_out[g, lo:hi].t(), x)  # [F_out, F_in]
+        if ctx.has_bias and ctx.needs_input_grad[4]:
+            grad_b = grad_out.sum(1) if weight.dim() == 3 else grad_out.sum((0, 1))  # [G, F_out] or [F_out]
+        return None, None, None, grad_w, grad_b
+
+
+def _gather(table: Tensor, rows: Tensor, weights: Tensor) -> Tensor:
+    """`[n, H, K]` bags of rows of `table [V, D]` -> `[n, H*D]` weighted sums."""
+    n, H, K = rows.shape
+    x = F.embedding_bag(
+        rows.reshape(-1, K), table, per_sample_weights=weights.reshape(-1, K).to(table.dtype), mode="sum"
+    )
+    return x.view(n, H * table.shape[1])
+
+
+def _bag_chunks(table: Tensor, G: int, N: int, F_in: int):
+    """`(group, first token, end token)` of each chunk; on CUDA one chunk per group (no cache to fit)."""
+    step = N if table.is_cuda else max(1, _BAG_CHUNK_NUMEL // F_in)
+    for g in range(G):
+        for lo in range(0, N, step):
+            yield g, lo, min(N, lo + step)
+
+
+def bag_linear(table: Tensor, rows: Tensor, weights: Tensor, linear: GroupedLinear) -> Tensor:
+    """`linear` applied to weighted gathers of `table` rows, without storing the gathered input.
+
+    The time + layer alignment of a teacher cache (`kv_bags`) followed by a linear projector: the
+    aligned teacher `[L, B, T, H*D]` is the largest tensor of the step, so it is built and
+    projected one cache-sized chunk at a time (in `table`'s dtype, cast per chunk), and gathered
+    again for the weight gradient. Same result as `linear(embedding_bag(...).view(...))`.
+
+    Args:
+        table: `[V, D]` source rows (a KV stack viewed `[L*B*H*T, D]`); receives no gradient.
+        rows, weights: `[G, N, H, K]` bags: token `n` of group `g` concatenates `H` weighted sums
+            of `K` rows each (its features `H*D` = `linear.d_in`).
+        linear: the projector; with `groups > 1`, `G == groups` and group `g` uses weight set `g`.
+
+    Returns:
+        `[G, N, linear.d_out]`.
+    """
+    G, N, H, K = rows.shape
+    if H * table.shape[1] != linear.d_in:
+        raise ValueError(f"projector expects {linear.d_in} features, the bags give {H} x {table.shape[1]}")
+    if linear.groups > 1 and linear.groups != G:
+        raise ValueError(f"grouped projector has {linear.groups} groups, the bags have {G}")
+    if linear.groups == 1:  # one weight set: chunks may span groups (small inputs run as one chunk)
+        rows, weights = rows.reshape(1, G * N, H, K), weights.reshape(1, G * N, H, K)
+    out = _BagLinear.apply(table.detach(), rows, weights, linear.weight, linear.bias)  # [G or 1, ..., d_out]
+    return out.view(G, N, -1)
+
+
 class GroupedLayerNorm(nn.Module):
     """`LayerNorm(d)` with one affine `(weight, bias)` per group when `groups > 1`."""
 

@@ -53,6 +53,10 @@ class TimeIndex:
     valid: Tensor
     exact: bool = False
 
+    def to(self, device: torch.device | str) -> TimeIndex:
+        """The same index on `device`."""
+        return TimeIndex(*(f.to(device) for f in (self.lo, self.hi, self.lam, self.valid)), self.exact)
+
 
 def _segments_or_global(mask: Tensor, segments: Tensor | None, use_segments: bool) -> tuple[Tensor, Tensor]:
     """Validity `[B, T]` bool and segment ids `[B, T]` long (all 0 when segments are ignored)."""
@@ -197,36 +201,70 @@ def resample(x: Tensor, index: TimeIndex, time_dim: int, batch_dim: int = 1) -> 
     return out.movedim((0, 1), (batch_dim, time_dim))
 
 
-def resample_kv(x: Tensor, index: TimeIndex, layers: Tensor | None = None) -> Tensor:
-    """`resample` for a KV stack, returning the time-major layout and optionally picking layers.
+def kv_bags(
+    shape: tuple[int, ...] | torch.Size,
+    index: TimeIndex,
+    layers: Tensor | None = None,
+    layer_weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Which rows of a KV stack each aligned row sums, and with what weights (time + layer alignment).
 
-    One gather builds the result directly in the layout the head stage wants, so flattening heads
-    afterwards is a free view and no intermediate copy of the (large) teacher cache is made.
+    Output row `[m, b, t, h]` is `Σ_j Σ_side w * x[layers[m, j], b, h, position]`: the two teacher
+    positions of the lerp (one in index mode) in each teacher layer that layer-map row reads.
+
+    Args:
+        shape: `[L, B, H, T_t, D]` of the KV stack (keys and values share their bags).
+        index: from `time_index`, fields `[B, T_s]`.
+        layers: `[L_m]` or `[L_m, k]` teacher layers per output layer (default: all `L`, one each);
+            `sparse_layer_map` turns a layer map into this form.
+        layer_weights: `[L_m, k]` weights of those layers (default 1).
+
+    Returns:
+        `rows [L_m, B, T_s, H, K]` (int64 row ids into the stack viewed `[L*B*H*T_t, D]`) and
+        `weights [L_m, B, T_s, H, K]` float32, `K = k * (2 or 1)`.
+    """
+    L, B, H, T, _ = shape
+    dev = index.lo.device
+    layers = torch.arange(L, device=dev) if layers is None else layers.to(dev)
+    layers = layers.view(layers.shape[0], -1)  # [L_m, k]
+    L_m, k = layers.shape
+    lw = torch.ones(L_m, k, device=dev) if layer_weights is None else layer_weights.to(dev).view(L_m, k)
+    if index.exact:  # one position per token
+        pos, tw = index.lo.unsqueeze(-1), torch.ones(*index.lo.shape, 1, device=dev)  # [B, T_s, 1]
+    else:
+        lam = index.lam.float()
+        pos, tw = torch.stack((index.lo, index.hi), -1), torch.stack((1 - lam, lam), -1)  # [B, T_s, 2]
+    n = pos.shape[-1]
+    row = (layers.view(L_m, 1, 1, 1, k, 1) * B + torch.arange(B, device=dev).view(1, B, 1, 1, 1, 1)) * H
+    row = (row + torch.arange(H, device=dev).view(1, 1, 1, H, 1, 1)) * T + pos.view(1, B, -1, 1, 1, n)
+    weight = lw.float().view(L_m, 1, 1, 1, k, 1) * tw.view(1, B, -1, 1, 1, n)  # [L_m, B, T_s, 1, k, n]
+    bag = (*row.shape[:4], k * n)
+    return row.reshape(bag), weight.expand(row.shape).reshape(bag)
+
+
+def resample_kv(
+    x: Tensor, index: TimeIndex, layers: Tensor | None = None, layer_weights: Tensor | None = None
+) -> Tensor:
+    """Time and layer alignment of a KV stack in one weighted gather, time-major.
+
+    One `embedding_bag` over `kv_bags` (gather, multiply and add in a single pass) writes the
+    result straight into the layout the head stage wants: no copy of the (large) teacher cache per
+    layer or per lerp neighbour, and only the layers the layer map reads are touched. Equal to
+    `apply_layer_map(M, resample(x, index, time_dim=3)).transpose(2, 3)` up to rounding.
 
     Args:
         x: `[L, B, H, T_t, D]` keys or values.
-        index: from `time_index`, fields `[B, T_s]`.
-        layers: optional `[L']` layer indices to read (a one-hot layer map folded into the gather).
+        index, layers, layer_weights: as in `kv_bags`.
 
     Returns:
-        `[L', B, T_s, H, D]` (`L' = L` without `layers`).
+        `[L_m, B, T_s, H, D]` in `x`'s dtype. Positions where `index.valid` is False hold source
+        position 0: mask them.
     """
-    L, B, H, T, D = x.shape
-    dev = x.device
-    li = torch.arange(L, device=dev) if layers is None else layers.to(dev)
-    # flat row ids into x viewed as [L*B*H*T, D]: index_select copies whole D-rows, several times
-    # faster than advanced indexing with four broadcast index tensors (which addresses every element)
-    base = (li.view(-1, 1, 1, 1) * B + torch.arange(B, device=dev).view(1, B, 1, 1)) * H
-    base = (base + torch.arange(H, device=dev).view(1, 1, 1, H)) * T  # [L', B, 1, H]
-    flat = x.reshape(-1, D)  # a view when x is contiguous (stacked caches are)
-
-    def rows(pos: Tensor) -> Tensor:  # [B, T_s] positions -> [L', B, T_s, H, D]
-        r = base + pos.to(dev).view(1, B, -1, 1)  # [L', B, T_s, H]
-        return flat.index_select(0, r.flatten()).view(*r.shape, D)
-
-    out = rows(index.lo)
-    if index.exact:
-        return out
-    w = index.lam.to(device=dev, dtype=x.dtype).view(1, B, -1, 1, 1)
-    x_hi = rows(index.hi)
-    return out.lerp_(x_hi, w) if not torch.is_grad_enabled() or not x.requires_grad else out.lerp(x_hi, w)
+    rows, weights = kv_bags(x.shape, index.to(x.device), layers, layer_weights)  # [L_m, B, T_s, H, K]
+    out = F.embedding_bag(
+        rows.flatten(0, -2),
+        x.reshape(-1, x.shape[-1]),  # [L*B*H*T_t, D], a view when x is contiguous (stacked caches are)
+        per_sample_weights=weights.flatten(0, -2).to(x.dtype),
+        mode="sum",
+    )  # [L_m*B*T_s*H, D]
+    return out.view(*rows.shape[:-1], x.shape[-1])

@@ -7,11 +7,21 @@ benchmark, `benchmarks/bench_<name>.py`, each exposing::
         return {
             "results": [{"case": "...", "ms": 1.2, ...}, ...],  # rows of the Markdown table
             "ratio": 3.1, "target": 2.0, "passed": True,         # the headline check (optional)
+            "over_floor": 1.1,  # or "speedup": 3.1 -- what `ratio` is (see HEADLINES), optional
             "title": "...", "description": "...",                 # optional text
         }
 
+`ratio` is the headline number, `target` its goal and `passed` whether it was met. A benchmark
+that measures time against a floor (the work no implementation can skip) also stores the ratio
+as `over_floor` (time / floor, lower is better, passed when <= target); one that measures a
+speed-up against a slower way stores `speedup` (baseline / time, higher is better, passed when
+>= target). The README names which one each headline is.
+
 Each benchmark's output goes to `<out>/<name>.json`; `<out>/README.md` is rebuilt from *all*
 JSON files in `<out>`, so `--only cka` refreshes one section and keeps the others.
+
+`interleaved_times` is the timing loop the benchmarks share: cases alternate within every
+repeat, so a machine that slows down mid-run slows all of them, and ratios are taken per repeat.
 
 Example:
     kvdistill bench --quick --only align,cka
@@ -21,9 +31,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,6 +50,11 @@ from kvdistill.report import environment, fmt_sig, markdown_table
 
 BENCH_PREFIX = "bench_"
 README_NAME = "README.md"
+# headline keys: (comparison with the target, what the number is)
+HEADLINES = {
+    "over_floor": ("≤", "time / floor, lower is better"),
+    "speedup": ("≥", "baseline time / time, higher is better"),
+}
 
 
 # --------------------------------------------------------------------------- discovery
@@ -86,12 +104,72 @@ def load_benchmark(path: Path) -> ModuleType:
     return module
 
 
+# --------------------------------------------------------------------------- timing
+
+
+@dataclass
+class Timings:
+    """Seconds per repeat of every case: wall clock, and this process's CPU time (user + system).
+
+    On a CPU shared with other jobs the wall clock also counts the time the process waits for a
+    core; its CPU time does not, so `cpu` ratios stay meaningful there (not on CUDA, where the
+    work is on the GPU).
+    """
+
+    wall: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+
+    def ms(self, case: str, clock: str = "wall") -> float:
+        """Median milliseconds of `case`."""
+        return statistics.median(getattr(self, clock)[case]) * 1e3
+
+    def ratio(self, case: str, base: str, clock: str = "wall") -> float:
+        """Median over repeats of `case / base`, each repeat's pair measured back to back."""
+        times = getattr(self, clock)
+        return statistics.median(a / b for a, b in zip(times[case], times[base]))
+
+
+def interleaved_times(
+    fns: dict[str, Callable[[], Any]],
+    repeats: int,
+    *,
+    warmup: int = 1,
+    device: torch.device | str = "cpu",
+    setup: Callable[[], None] | None = None,
+) -> Timings:
+    """Time every case of `fns` `repeats` times, interleaved (A, B, A, B, ...; order reversed every
+    other repeat), after `warmup` untimed rounds; `setup()` runs untimed before each call."""
+    device = torch.device(device)
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            if setup:
+                setup()
+            fns[n]()
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names if r % 2 == 0 else names[::-1]:
+            if setup:
+                setup()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            fns[n]()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            wall[n].append(time.perf_counter() - t0)
+            cpu[n].append(time.process_time() - c0)
+    return Timings(wall, cpu)
+
+
 # --------------------------------------------------------------------------- running
 
 
 def run_benchmark(name: str, path: Path, quick: bool) -> dict[str, Any]:
     """Import and run one benchmark; an exception is recorded, not raised."""
     record: dict[str, Any] = {"benchmark": name, "file": repo_relative(path), "quick": quick}
+    load = os.getloadavg()[0]  # other jobs on the machine: a loaded one slows every wall time
     t0 = time.perf_counter()
     try:
         result = load_benchmark(path).run(quick=quick)
@@ -103,6 +181,7 @@ def run_benchmark(name: str, path: Path, quick: bool) -> dict[str, Any]:
         record["traceback"] = traceback.format_exc()
     record["wall_s"] = round(time.perf_counter() - t0, 3)
     record["machine"] = environment()
+    record["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]  # 1-min, before and after
     return record
 
 
@@ -123,6 +202,26 @@ def rows_table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(cols, [[_cell(r.get(c, "")) for c in cols] for r in rows])
 
 
+def headline(res: dict[str, Any]) -> tuple[str, str, str] | None:
+    """`(key, comparison, meaning)` of a result's headline (`over_floor` or `speedup`), or None."""
+    key = next((k for k in HEADLINES if k in res), None)
+    return None if key is None else (key, *HEADLINES[key])
+
+
+def headline_line(res: dict[str, Any]) -> str:
+    """`over_floor: **1.2** (time / floor, lower is better) · target: **≤ 1.3** · passed: **yes**`."""
+    head = headline(res)
+    if head is None:  # a plain ratio
+        return " · ".join(f"{k}: **{_cell(res[k])}**" for k in ("ratio", "target", "passed") if k in res)
+    key, op, meaning = head
+    parts = [f"{key}: **{_cell(res[key])}** ({meaning})"]
+    if "target" in res:
+        parts.append(f"target: **{op} {_cell(res['target'])}**")
+    if "passed" in res:
+        parts.append(f"passed: **{_cell(res['passed'])}**")
+    return " · ".join(parts)
+
+
 def render_section(record: dict[str, Any]) -> str:
     name = record["benchmark"]
     res = record.get("result") or {}
@@ -133,24 +232,39 @@ def render_section(record: dict[str, Any]) -> str:
         out.append(f"**Failed:** `{record['error']}`\n")
     else:
         out.append(rows_table(list(res.get("results") or [])))
-        headline = [f"{k}: **{_cell(res[k])}**" for k in ("ratio", "target", "passed") if k in res]
-        if headline:
-            out.append("\n" + " · ".join(headline) + "\n")
-        extra = {
-            k: v
-            for k, v in res.items()
-            if k not in {"results", "ratio", "target", "passed", "title", "description"}
-            and isinstance(v, (str, int, float, bool))
-        }
+        line = headline_line(res)
+        if line:
+            out.append("\n" + line + "\n")
+        shown = {"results", "ratio", "target", "passed", "title", "description", *HEADLINES}
+        extra = {k: v for k, v in res.items() if k not in shown and isinstance(v, (str, int, float, bool))}
         if extra:
             out.append("\n" + "\n".join(f"- {k}: {_cell(v)}" for k, v in extra.items()) + "\n")
     m = record.get("machine", {})
+    load = record.get("load_average")
+    load = f" · load average {load[0]} → {load[1]}" if load else ""
     out.append(
         f"\n<sub>`bench_{name}.py` · quick={record.get('quick')} · {record.get('wall_s')} s · "
-        f"torch {m.get('torch')} · {m.get('torch_threads')} threads / {m.get('cpu_count')} CPUs · "
+        f"torch {m.get('torch')} · {m.get('torch_threads')} threads / {m.get('cpu_count')} CPUs{load} · "
         f"{m.get('processor')} · {m.get('date')}</sub>\n"
     )
     return "\n".join(out)
+
+
+def summary_row(record: dict[str, Any]) -> dict[str, Any]:
+    """One benchmark's line of the README summary: its headline against its target."""
+    res = record.get("result") or {}
+    head = headline(res)
+    key, op = (head[0], head[1]) if head else ("ratio", "")
+    target = res.get("target", "")
+    return {
+        "benchmark": record["benchmark"],
+        "headline": key,
+        "value": res.get(key, ""),
+        "target": f"{op} {_cell(target)}".strip() if target != "" else "",
+        "passed": "error" if "error" in record else res.get("passed", ""),
+        "quick": record.get("quick"),
+        "date": (record.get("machine") or {}).get("date", ""),
+    }
 
 
 def write_readme(out_dir: Path) -> Path:
@@ -166,20 +280,11 @@ def write_readme(out_dir: Path) -> Path:
     lines = [
         "# Benchmarks\n",
         "Written by `kvdistill bench`; each section comes from `<name>.json` next to this file. "
-        "Timings depend on the machine noted under each table.\n",
+        "Timings depend on the machine noted under each table (and on other jobs: its load average). "
+        "`over_floor` = time / floor, the floor being the work no implementation can skip (lower "
+        "is better); `speedup` = baseline time / time (higher is better).\n",
     ]
-    summary = [
-        {
-            "benchmark": r["benchmark"],
-            "ratio": (r.get("result") or {}).get("ratio", ""),
-            "target": (r.get("result") or {}).get("target", ""),
-            "passed": "error" if "error" in r else (r.get("result") or {}).get("passed", ""),
-            "quick": r.get("quick"),
-            "date": (r.get("machine") or {}).get("date", ""),
-        }
-        for r in records
-    ]
-    lines.append(rows_table(summary))
+    lines.append(rows_table([summary_row(r) for r in records]))
     lines += [render_section(r) for r in records]
     return write_text_atomic(Path(out_dir) / README_NAME, "\n".join(lines))
 
@@ -231,8 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         res = record["result"]
         print(rows_table(list(res.get("results") or [])))
-        verdict = {k: res[k] for k in ("ratio", "target", "passed") if k in res}
-        print(f"[bench] {name}: {verdict or 'done'} in {record['wall_s']} s")
+        print(f"[bench] {name}: {headline_line(res) or 'done'} in {record['wall_s']} s")
         if args.fail_on_miss and res.get("passed") is False:
             rc = 1
     readme = write_readme(out_dir)
