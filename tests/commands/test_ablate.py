@@ -86,6 +86,8 @@ class FakeRuns:
 
     def train(self, argv):
         cfg = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+        # a run killed mid-training goes on from its newest complete checkpoint (tests/train/test_crash_safety.py)
+        assert argv[argv.index("--resume_from_checkpoint") + 1] == "last"
         out = Path(cfg["output_dir"])
         self.trained.append(str(out))
         kv = cfg.get("kv_weight", 0) > 0
