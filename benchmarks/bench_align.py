@@ -45,7 +45,7 @@ from torch import Tensor
 from kvdistill.align.aligner import KVAligner
 from kvdistill.align.time import TimeIndex, kv_bags, resample_kv
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING, KVCache
-from kvdistill.commands.bench import interleaved_times
+from kvdistill.commands.bench import interleaved_times, torch_threads
 from kvdistill.commands.profile import measure
 from kvdistill.losses import aligned_kv_loss, build_kv_loss
 
@@ -149,12 +149,8 @@ def naive_reference(
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Time the aligner + loss, its stages and its floor; a JSON-able dict for `kvdistill bench`."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return _run(quick)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(quick: bool) -> dict[str, Any]:

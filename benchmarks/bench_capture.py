@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kvdistill.commands.bench import interleaved_times, load_benchmark
+from kvdistill.commands.bench import interleaved_times, load_benchmark, torch_threads
 from kvdistill.commands.capture import run_capture
 from kvdistill.commands.train import build_trainer
 from kvdistill.tiny import build_tiny_world
@@ -78,13 +78,8 @@ def trainer_argv(student: Path, teachers: list[Path], data: Path, out: Path, sam
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Live vs captured teachers, one epoch each, interleaved; a JSON-able dict for `kvdistill bench`."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with tempfile.TemporaryDirectory(prefix="kvdistill_bench_capture_") as tmp:
-            return _run(quick, Path(tmp))
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(1), tempfile.TemporaryDirectory(prefix="kvdistill_bench_capture_") as tmp:
+        return _run(quick, Path(tmp))
 
 
 def _run(quick: bool, root: Path) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import torch
 
 from kvdistill.align.cka import StreamingCKA, linear_cka
-from kvdistill.commands.bench import interleaved_times
+from kvdistill.commands.bench import interleaved_times, torch_threads
 
 TARGET = 1.3
 
@@ -86,12 +86,8 @@ def _sync(device: torch.device) -> None:
 
 def run(quick: bool = False) -> dict:
     """Batched CKA, its floor and the pairwise loop; a JSON-able dict for `kvdistill bench`."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return _run(quick)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(quick: bool) -> dict:

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
-from kvdistill.commands.bench import interleaved_times
+from kvdistill.commands.bench import interleaved_times, torch_threads
 from kvdistill.commands.profile import measure
 from kvdistill.commands.train import build_trainer
 from kvdistill.losses import token_ce_sum
@@ -177,52 +177,47 @@ def bench_case(
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Full step vs floor on the tiny fixtures and a larger pair; a JSON-able dict for `kvdistill bench`."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     warmup, repeats = (1, 3) if quick else (3, 11)
-    try:
-        with tempfile.TemporaryDirectory(prefix="kvdistill_bench_step_") as tmp:
-            root = Path(tmp)
-            world = build_tiny_world(root / "tiny", n_train=64, n_test=8)
-            m = world.models
-            large = make_pair(root / "large", world.tokenizers["bpe"], QUICK if quick else LARGE)
-            large_name = "half-size pair (quick)" if quick else "large pair"
-            pair = [large["teacher_qwen2"], large["teacher_llama"]]
-            rows = [
-                bench_case(
-                    "tiny fixtures, 2 teachers",
-                    m["student"],
-                    [m["qwen2_teacher"], m["llama_teacher_alt_tok"]],
-                    world.data_dir,
-                    root / "run_tiny",
-                    device,
-                    warmup,
-                    repeats,
-                ),
-                bench_case(
-                    f"{large_name}, 1 teacher",
-                    large["student"],
-                    pair[:1],
-                    world.data_dir,
-                    root / "run_large1",
-                    device,
-                    warmup,
-                    repeats,
-                ),
-                bench_case(
-                    f"{large_name}, 2 teachers",
-                    large["student"],
-                    pair,
-                    world.data_dir,
-                    root / "run_large2",
-                    device,
-                    warmup,
-                    repeats,
-                ),
-            ]
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(1), tempfile.TemporaryDirectory(prefix="kvdistill_bench_step_") as tmp:
+        root = Path(tmp)
+        world = build_tiny_world(root / "tiny", n_train=64, n_test=8)
+        m = world.models
+        large = make_pair(root / "large", world.tokenizers["bpe"], QUICK if quick else LARGE)
+        large_name = "half-size pair (quick)" if quick else "large pair"
+        pair = [large["teacher_qwen2"], large["teacher_llama"]]
+        rows = [
+            bench_case(
+                "tiny fixtures, 2 teachers",
+                m["student"],
+                [m["qwen2_teacher"], m["llama_teacher_alt_tok"]],
+                world.data_dir,
+                root / "run_tiny",
+                device,
+                warmup,
+                repeats,
+            ),
+            bench_case(
+                f"{large_name}, 1 teacher",
+                large["student"],
+                pair[:1],
+                world.data_dir,
+                root / "run_large1",
+                device,
+                warmup,
+                repeats,
+            ),
+            bench_case(
+                f"{large_name}, 2 teachers",
+                large["student"],
+                pair,
+                world.data_dir,
+                root / "run_large2",
+                device,
+                warmup,
+                repeats,
+            ),
+        ]
     ratio = max(r["ratio"] for r in rows[1:])  # the stricter of the realistic rows
     return {
         "name": "step",

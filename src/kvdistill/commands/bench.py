@@ -36,7 +36,8 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -127,6 +128,18 @@ class Timings:
         """Median over repeats of `case / base`, each repeat's pair measured back to back."""
         times = getattr(self, clock)
         return statistics.median(a / b for a, b in zip(times[case], times[base]))
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block at `n` torch threads (a benchmark's numbers must not depend on free cores), then
+    restore the count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def interleaved_times(
