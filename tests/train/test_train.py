@@ -123,3 +123,14 @@ def test_two_process_ddp_ranks_agree(base_args, launch, tmp_path):
     (answers,) = json.loads((out / "teacher_correctness.json").read_text()).values()
     assert len(answers) == 16 and set(answers) <= {0, 1}
     assert not (out / "teacher_correctness.json.tmp").exists()
+
+
+def test_accuracy_curve_points_keep_the_loss_rows(base_args, tmp_path):
+    out = tmp_path / "curve"
+    assert train_main(base_args(output_dir=out, max_steps=4, logging_steps=2, accuracy_eval_steps=2,
+                                accuracy_eval_split="test", accuracy_eval_limit=4,
+                                accuracy_eval_max_new_tokens=4)) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_accuracy" in r] == [2, 4]
+    assert 0 <= min(r["eval_accuracy"] for r in rows if "eval_accuracy" in r)
+    assert [r["step"] for r in rows if "loss" in r] == [2, 4]  # an accuracy point does not swallow the loss row

@@ -116,7 +116,9 @@ class AccuracyCallback(TrainerCallback):
             chat_template="auto" if args.use_chat_template else "off", perplexity=False, progress=False,
         )
         student.train(was_training)
+        should_log = control.should_log  # Trainer.log clears it: the step's own loss row must still be written
         self.trainer.log({"eval_accuracy": result["accuracy"]})
+        control.should_log = should_log
 
 
 class KVDistillTrainer(Trainer):
