@@ -69,6 +69,11 @@ def test_rationale_field_replaces_reference():
     assert "So 17." in f.text and "12 + 5" not in f.text
     with pytest.raises(DataError, match="no rationale field"):
         format_example(REC, rationale_field="t2")
+    # a bare chain of thought (no `####`) is the rationale; the reference final answer stays
+    bare = format_example({**REC, "t1": "5 + 12 = 17."}, rationale_field="t1")
+    ref = format_example(REC)
+    assert bare.text[bare.prompt_end:bare.reasoning_end] == " 5 + 12 = 17."
+    assert bare.text[bare.reasoning_end:] == ref.text[ref.reasoning_end:]
 
 
 def test_collator_pads_and_adds_teacher_views(tiny_world):

@@ -109,6 +109,12 @@ def parse_config(cls: type[T], argv: list[str] | None, prog: str, description: s
         return parser.parse_args_into_dataclasses(args=argv)[0]
     except TypeError as err:  # a required option missing from YAML and CLI
         raise ConfigError(str(err)) from None
+    except ValueError as err:  # values left over, e.g. `--teachers a b` (one value per option)
+        if "not used by the HfArgumentParser" not in str(err):
+            raise
+        extra = str(err).split(": ", 1)[-1]
+        raise ConfigError(f"values without an option: {extra}; each option takes one value (give a list "
+                          "as YAML, e.g. --teachers \"[a, b]\")") from None
 
 
 def read_yaml(path: str | Path, option: str) -> dict:

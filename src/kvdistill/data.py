@@ -265,14 +265,16 @@ def format_example(
     """Format a record as prompt + " " + rationale + "\\n#### " + final.
 
     `rationale_field` names a column with another rationale (e.g. a teacher's own chain of
-    thought) to use instead of the reference one; its `####` final answer wins if it has one.
+    thought) to use instead of the reference one; its `####` final answer wins if it has one,
+    and a text without `####` is all rationale (the reference final answer stays).
     """
     rationale, final = split_answer(str(record["answer"]))
     if rationale_field is not None:
         if rationale_field not in record:
             raise DataError(f"record has no rationale field {rationale_field!r} (has {sorted(record)})")
-        alt_rationale, alt_final = split_answer(str(record[rationale_field]))
-        rationale, final = alt_rationale, (alt_final if ANSWER_MARKER in str(record[rationale_field]) else final)
+        alt = str(record[rationale_field])
+        # split_answer reads a marker-less text as a final answer; here it is a bare chain of thought
+        rationale, final = split_answer(alt) if ANSWER_MARKER in alt else (alt.strip(), final)
     prompt = format_prompt(str(record["question"]), template, tokenizer)
     reasoning = f" {rationale}" if rationale else ""
     text = f"{prompt}{reasoning}\n{ANSWER_MARKER} {final}"

@@ -72,6 +72,8 @@ CONFIG = [
                  ("typo.yaml: unknown key 'kv_wieght'", "did you mean 'kv_weight'"), id="config_unknown_key"),
     pytest.param(lambda c: [*c.train(), "--kv_wieght", "1"],
                  ("unknown option --kv_wieght", "did you mean 'kv_weight'"), id="unknown_option"),
+    pytest.param(lambda c: [*c.train(), "--max_steps", "3", "4"],
+                 ("values without an option: ['4']", "each option takes one value"), id="stray_value"),
     pytest.param(lambda c: c.train(max_steps="ten"), ("--max_steps", "invalid int value: 'ten'"),
                  id="number_not_a_number"),
     pytest.param(lambda c: c.train(kv_loss="l3"), ("kv_loss='l3' is not one of", "mercator"), id="unknown_kv_loss"),

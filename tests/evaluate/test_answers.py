@@ -61,6 +61,11 @@ def test_normalize_and_match():
     assert not is_correct("-5", "5")
     assert not is_correct(None, "5")
     assert not is_correct("5", None)
+    # long numbers are exact (no rounding to Decimal's default 28 digits): a runaway 47-digit
+    # completion is not the gold answer that shares its first 28 digits
+    long = "1" * 47
+    assert normalize_number(long) == long and normalize_number(long + ".500") == long + ".5"
+    assert not is_correct(long, "1" * 46 + "2")
 
 
 def test_gold_answer_of_gsm8k_field():

@@ -10,7 +10,7 @@ else the last number in the text. Numbers are compared after normalisation, so
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Context, Decimal, InvalidOperation
 
 # A number: optional sign (only when it is not a binary minus, i.e. not right after a digit,
 # letter or closing bracket), optional `$`, then digits with proper thousands separators,
@@ -52,8 +52,9 @@ def _canonical(match: re.Match[str]) -> str | None:
         return None
     if value == 0:
         return "0"
-    # normalize() strips trailing zeros but may switch to exponent form (1E+3): 'f' undoes it
-    return format(value.normalize(), "f")
+    # normalize() strips trailing zeros but may switch to exponent form (1E+3): 'f' undoes it; it also
+    # rounds to the context's precision (28 digits by default), so give it one as long as the number
+    return format(value.normalize(Context(prec=len(digits))), "f")
 
 
 def find_numbers(text: str) -> list[str]:
