@@ -63,7 +63,8 @@ def test_kvdistill_run_dir_uses_its_training_template(tiny_world, tmp_path):
     (run / "kvdistill_config.yaml").write_text(
         'prompt_template: "Q: {question}\\nA:"\nuse_chat_template: true\n'
     )
-    assert training_prompt_settings(run) == {"template": "Q: {question}\nA:", "chat_template": "auto"}
+    assert training_prompt_settings(run) == {"template": "Q: {question}\nA:", "chat_template": "auto",
+                                             "student_input": "full"}
     assert training_prompt_settings(tiny_world.models["student"]) is None
     out = run_eval(
         run,
@@ -84,3 +85,21 @@ def test_kvdistill_run_dir_uses_its_training_template(tiny_world, tmp_path):
 def test_eval_refuses_non_positive_sizes(flag, value):
     with pytest.raises(ConfigError, match=f"{flag} must be >= 1"):
         main(["--model", "some/model", flag, value])
+
+
+def test_privileged_student_perplexity_is_on_the_text_it_read(tiny_world, tmp_path):
+    """A `student_input: no_rationale` student is scored on `#### n` answers, not the full rationale."""
+    import shutil
+
+    from kvdistill.commands.eval import run_eval
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_world.models["student"], run)
+    (run / "kvdistill_config.yaml").write_text("student_input: no_rationale\n")
+    kw = dict(data=str(tiny_world.data_dir), limit=3, max_new_tokens=2, progress=False, log=lambda s: None)
+    short = run_eval(run, **kw)
+    (run / "kvdistill_config.yaml").write_text("student_input: full\n")
+    full = run_eval(run, **kw)
+    assert short["student_input"] == "no_rationale" and full["student_input"] == "full"
+    assert short["target_tokens"] < full["target_tokens"]  # the rationale is not scored
+    assert [i["gold"] for i in short["items"]] == [i["gold"] for i in full["items"]]

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvdistill.card import record_evaluation
 from kvdistill.config import ConfigError, check_choice, check_output_dir, option, parse_config, to_plain
-from kvdistill.data import DEFAULT_TEMPLATE, format_example, format_prompt, load_records
+from kvdistill.data import DEFAULT_TEMPLATE, format_example, format_prompt, load_records, shorten_rationale
 from kvdistill.evaluate.scoring import CHAT_MODES, evaluate_model, use_chat, write_results
 from kvdistill.report import environment
 
@@ -95,7 +95,8 @@ def _tokenizer_dir(model_dir: str) -> str:
 
 
 def training_prompt_settings(model_dir: str | Path) -> dict[str, Any] | None:
-    """`{"template", "chat_template"}` a kvdistill run was trained with (its `kvdistill_config.yaml`).
+    """`{"template", "chat_template", "student_input"}` a kvdistill run was trained with (its
+    `kvdistill_config.yaml`).
 
     Looked up in the model dir and its parent (a `checkpoint-N/` of a run); `None` for any
     other model, which then gets the defaults.
@@ -113,6 +114,8 @@ def training_prompt_settings(model_dir: str | Path) -> dict[str, Any] | None:
                 "template": cfg.get("prompt_template") or DEFAULT_TEMPLATE,
                 # training falls back to the plain template when the tokenizer has no chat template
                 "chat_template": "auto" if cfg.get("use_chat_template") else "off",
+                # what the student read in training (privileged mode): its perplexity is scored on that text
+                "student_input": cfg.get("student_input") or "full",
             }
     return None
 
@@ -178,6 +181,9 @@ def run_eval(
                 kwargs[key] = trained[key]
     device = resolve_device(device)
     records = load_records(data, split=split, field_map=field_map, limit=limit)
+    student_input = trained.get("student_input", "full")
+    if student_input != "full":  # a privileged-mode student never learned the full rationale
+        records = [shorten_rationale(r, student_input) for r in records]
     tokenizer = load_tokenizer(_tokenizer_dir(model_dir))
     model = load_model(model_dir, dtype=dtype, device=device)
     check_vocab(model, tokenizer, model_dir)
@@ -192,6 +198,7 @@ def run_eval(
             "split": split,
             "limit": limit,
             "dtype": dtype,
+            "student_input": student_input,
             "device": str(device),
             "environment": environment(),
         }
