@@ -10,13 +10,21 @@ records: `keys`, `values` `[sum T_i, L, H, D]`, `segment_ids` `[sum T_i]`, optio
 `[sum T_i, L+1, d]` and `logits` `[sum T_i, V]`, with `index` `[n]` (record ids) and `offsets`
 `[n + 1]` (where each record starts). These are exactly the `TeacherCache` entries of a live run,
 so a run that reads a capture sees the same tensors as one that ran the teacher (in the stored
-dtype). Shards are written to a temp name and renamed; the manifest is rewritten after every
-shard and says `complete: true` only after the last, so a killed capture is resumed shard by
-shard and an incomplete one is never used.
+dtype). With `capture_layers: mapped` keys and values hold only the `L_kept` teacher layers the
+run's layer map reads (`[sum T_i, L_kept, H, D]`; the settings list them, so a run with another
+map refuses the capture); reading puts them back at their indices of `[T_i, L, H, D]` with zeros at
+the other layers, where every layer-map weight is 0 (the map is fixed, never learned), so the
+aligner reads what a full capture gives. Shards are written to a temp name and renamed; the
+manifest is rewritten after every shard and says `complete: true` only after the last, so a
+killed capture is resumed shard by shard and an incomplete one is never used.
 
 Bytes per token per teacher: 2 (K and V) × L × H_kv × D × bytes per value, e.g. Qwen2-7B
 (L 28, H_kv 4, D 128) in bf16: 2 × 28 × 4 × 128 × 2 = 57,344 B = 56 KiB per token, 28 MiB per
-512-token sample (+ 2 × d × (L+1) per token for hidden states, V × bytes for logits).
+512-token sample (+ 2 × d × (L+1) per token for hidden states, V × bytes for logits). With
+`capture_layers: mapped` L becomes the number of teacher layers the layer map reads: a CKA top-2
+map of a 24-layer student (Qwen2.5-0.5B) that reads 12 of the 28 layers stores 2 × 12 × 4 × 128 × 2
+= 24,576 B = 24 KiB per token, 12 MiB per 512-token sample (proportional 24 -> 28 reads 24 layers,
+48 KiB; last_k 8 reads 8, 16 KiB).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from kvdistill.teachers import TeacherCache
 MANIFEST = "manifest.json"
 CAPTURE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FLOAT_FIELDS = ("keys", "values", "hidden_states", "logits")
+_KV_FIELDS = ("keys", "values")  # `[T, L, H, D]`: `capture_layers: mapped` keeps some of their layers
 _FINGERPRINT_BYTES = 16 << 20  # head and tail of each weight file
 
 
@@ -95,8 +104,16 @@ def update_token_hash(h: Any, ids: Tensor) -> None:
 # ----------------------------------------------------------------------------- writing
 
 
-def write_shard(path: Path, entries: list[tuple[int, dict[str, Tensor]]], dtype: torch.dtype) -> None:
-    """Write `(record id, TeacherCache entry)` pairs as one shard (temp file, then rename)."""
+def mapped_layers(M: Tensor) -> dict[str, Any]:
+    """The `capture_layers` setting of `capture_layers: mapped`: the teacher layers (columns) that
+    the layer map `M [L_s, L_t]` reads, as `kept`, and the teacher's layer count L_t."""
+    return {"kept": (M != 0).any(0).nonzero().flatten().tolist(), "teacher_layers": M.shape[1]}
+
+
+def write_shard(path: Path, entries: list[tuple[int, dict[str, Tensor]]], dtype: torch.dtype,
+                layers: list[int] | None = None) -> None:
+    """Write `(record id, TeacherCache entry)` pairs as one shard (temp file, then rename); with
+    `layers`, keys and values keep only those teacher layers."""
     lengths = [e["segment_ids"].shape[0] for _, e in entries]
     tensors = {
         "index": torch.tensor([i for i, _ in entries], dtype=torch.int64),  # [n]
@@ -105,7 +122,10 @@ def write_shard(path: Path, entries: list[tuple[int, dict[str, Tensor]]], dtype:
     }
     for field in _FLOAT_FIELDS:
         if field in entries[0][1]:
-            tensors[field] = torch.cat([e[field] for _, e in entries]).to(dtype).contiguous()  # [sum T, ...]
+            x = torch.cat([e[field] for _, e in entries])  # [sum T, ...]
+            if layers is not None and field in _KV_FIELDS:
+                x = x[:, layers]  # [sum T, L_kept, H, D]
+            tensors[field] = x.to(dtype).contiguous()
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp))
     os.replace(tmp, path)
@@ -130,7 +150,9 @@ class CaptureWriter:
 
     def add(self, k: int, entries: list[tuple[int, dict[str, Tensor]]]) -> None:
         name = f"shard-{k:05d}.safetensors"
-        write_shard(self.root / name, entries, CAPTURE_DTYPES[self.settings["capture_dtype"]])
+        layers = self.settings.get("capture_layers")
+        write_shard(self.root / name, entries, CAPTURE_DTYPES[self.settings["capture_dtype"]],
+                    None if layers is None else layers["kept"])
         self.shards = [*self.shards[:k], name]
         self._write_manifest(complete=False)
 
@@ -170,9 +192,11 @@ def load_capture(root: Path, settings: Mapping[str, Any], cache: TeacherCache, k
 
     Tensors are read through safetensors' memory map and cast back to the teacher's own dtype,
     so the training code sees what a live teacher would have given (rounded to the stored dtype).
+    A `capture_layers: mapped` capture's kept layers go back to their indices (`unmap_layers`).
     """
     manifest = read_manifest(root, settings)
     live = CAPTURE_DTYPES[manifest["teacher_dtype"]]
+    layers = manifest["settings"].get("capture_layers")
     n = 0
     for name in manifest["shards"]:
         try:
@@ -181,6 +205,8 @@ def load_capture(root: Path, settings: Mapping[str, Any], cache: TeacherCache, k
         except (SafetensorError, OSError) as err:  # truncated or missing shard
             raise CaptureError(f"capture shard {root / name} cannot be read ({type(err).__name__}: {err}); capture "
                                "again into an empty teacher_capture directory") from None
+        for f in _KV_FIELDS if layers is not None else ():
+            t[f] = unmap_layers(t[f], layers)  # [sum T, L, H, D]
         starts = t["offsets"].tolist()
         for j, i in enumerate(t["index"].tolist()):
             a, b = starts[j], starts[j + 1]
@@ -192,6 +218,14 @@ def load_capture(root: Path, settings: Mapping[str, Any], cache: TeacherCache, k
         raise CaptureError(f"capture {root} holds {n} records, its manifest says {manifest['n_records']}; "
                            "capture again")
     return n
+
+
+def unmap_layers(x: Tensor, layers: Mapping[str, Any]) -> Tensor:
+    """Keys or values of the kept layers `[T, L_kept, H, D]` at their indices of `[T, L, H, D]`, zeros
+    at the other layers: the layer map's weight there is 0, so the aligner never reads them."""
+    full = x.new_zeros(x.shape[0], layers["teacher_layers"], *x.shape[2:])  # [T, L, H, D]
+    full[:, layers["kept"]] = x
+    return full
 
 
 def _diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:

@@ -23,9 +23,12 @@ def _argv(base_args, tiny_world, tmp_path, **kw):
     return base_args(**args)
 
 
-def _losses(trainer) -> list[float]:
+def _losses(trainer) -> dict[str, list[float]]:
+    """Total, KV and logit-KD loss per logged step: the KV term is ~1e-4 of the total under the relation
+    loss, so comparing totals alone would miss an error in the teacher KV."""
     trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    rows = [h for h in trainer.state.log_history if "loss" in h]
+    return {k: [h[k] for h in rows] for k in ("loss", "kv_loss", "logit_kd")}
 
 
 def test_training_from_a_capture_equals_the_live_teachers(base_args, tiny_world, tmp_path):
@@ -47,6 +50,7 @@ def test_training_from_a_capture_equals_the_live_teachers(base_args, tiny_world,
     ({"max_samples": 12}, "records"),
     ({"teacher_control": "untrained"}, "weights"),
     ({"key_space": "post_rope"}, "key_space"),
+    ({"capture_layers": "mapped"}, "capture_layers"),  # every layer stored, the run expects the mapped ones
 ])
 def test_a_capture_of_another_run_is_refused(base_args, tiny_world, tmp_path, change, named):
     capture_cmd.run_capture(parse_config(_argv(base_args, tiny_world, tmp_path)), log=lambda _: None)
@@ -88,7 +92,7 @@ def test_bf16_capture_halves_the_bytes(base_args, tiny_world, tmp_path):
         assert b["keys"].dtype == torch.bfloat16 and b["keys"].nbytes * 2 == a["keys"].nbytes
         torch.testing.assert_close(b["keys"].float(), a["keys"], rtol=1e-2, atol=1e-2)
     trainer = build_trainer(parse_config(argv))
-    assert len(_losses(trainer)) == 3
+    assert len(_losses(trainer)["loss"]) == 3
 
 
 def test_capture_cli_needs_a_directory_and_a_teacher_signal(base_args, tiny_world, tmp_path):
@@ -99,3 +103,57 @@ def test_capture_cli_needs_a_directory_and_a_teacher_signal(base_args, tiny_worl
     with pytest.raises(ConfigError, match="nothing to capture"):
         capture_cmd.main(_argv(base_args, tiny_world, tmp_path, kv_weight=0, logit_kd_weight=0))
     assert capture_cmd.main(_argv(base_args, tiny_world, tmp_path)) == 0
+
+
+def _size(capture) -> int:
+    return sum(f.stat().st_size for f in capture.glob("*/shard-*.safetensors"))
+
+
+def test_a_mapped_capture_stores_the_mapped_layers_and_trains_as_the_live_teachers(base_args, tiny_world, tmp_path):
+    # proportional map of the 2-layer student: teacher layers 0 and L_t - 1; the middle ones are never read
+    # mercator: a KV loss of ~1 in a loss of ~7 (relation's ~4e-4 would hide a layer put back at the wrong index)
+    full = capture_cmd.run_capture(parse_config(_argv(base_args, tiny_world, tmp_path / "all", kv_loss="mercator")),
+                                   log=lambda _: None)
+    argv = _argv(base_args, tiny_world, tmp_path / "mapped", kv_loss="mercator", capture_layers="mapped")
+    mapped = capture_cmd.run_capture(parse_config(argv), log=lambda _: None)
+    for name, L in (("qwen2_teacher", 4), ("llama_teacher_alt_tok", 3)):
+        manifest = json.loads((mapped / name / MANIFEST).read_text())
+        assert manifest["settings"]["capture_layers"] == {"kept": [0, L - 1], "teacher_layers": L}
+        a = load_file(next((full / name).glob("shard-*.safetensors")))
+        m = load_file(next((mapped / name).glob("shard-*.safetensors")))
+        assert a["keys"].shape[1] == L and m["keys"].shape == (a["keys"].shape[0], 2, *a["keys"].shape[2:])
+        for field in ("keys", "values"):
+            torch.testing.assert_close(m[field], a[field][:, [0, L - 1]])
+    assert _size(mapped) < _size(full)
+    captured = build_trainer(parse_config(argv))
+    live = build_trainer(parse_config([*argv, "--teacher_capture", "", "--output_dir", str(tmp_path / "live")]))
+    losses = _losses(captured)
+    assert len(losses["kv_loss"]) == 3 and min(losses["kv_loss"]) > 0.5
+    torch.testing.assert_close(losses, _losses(live), rtol=1e-5, atol=1e-6)
+
+
+def test_capture_layers_mapped_from_the_cli(base_args, tiny_world, tmp_path, capsys):
+    from kvdistill.cli import main as cli
+
+    argv = _argv(base_args, tiny_world, tmp_path, capture_layers="mapped", layer_map="last_k", max_steps=2)
+    assert cli(["capture", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "layers [3] of 4" in out and "layers [2] of 3" in out  # last_k 1: each teacher's top layer
+    # the capture was made for last_k: a run with the proportional map (teacher layers 0 and L-1) refuses it
+    assert cli(["train", *argv, "--layer_map", "proportional"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # above it: progress bars only
+    assert last.startswith("kvdistill train: error: ") and "does not match this run: capture_layers differ" in last
+    assert cli(["train", *argv]) == 0
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["global_step"] == 2
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"capture_layers": "some"}, "capture_layers"),
+    ({"capture_layers": "mapped", "student_input": "short_rationale:1", "logit_kd_weight": 0}, "teacher_compression: rkv"),
+])
+def test_capture_layers_is_checked(base_args, tiny_world, tmp_path, change, named):
+    from kvdistill.config import ConfigError
+
+    with pytest.raises(ConfigError, match=named):
+        parse_config(_argv(base_args, tiny_world, tmp_path, **change))

@@ -1,6 +1,7 @@
 """`kvdistill capture`: run every teacher once over a run's records and store its KV cache.
 
     kvdistill capture --config train.yaml --teacher_capture captures/run1 [--capture_dtype bf16]
+        [--capture_layers mapped]
 
 It reads the training config itself (the file `kvdistill train` reads), so the capture holds
 exactly the teacher outputs that run needs: its labelled records and transfer set, each
@@ -8,7 +9,9 @@ teacher's tokenisation, key space, hidden states (CODI) and logits (logit KD). T
 same config and `teacher_capture: DIR` then loads no teacher weights, and its losses equal the
 live-teacher run's up to float rounding in an fp32 capture (tested to 1e-5). A capture whose data, tokenizer, max_length, teacher
 weights or settings differ from the run is refused with the differing fields named; a killed
-capture resumes at its first missing shard. Format and bytes per token: `kvdistill/capture.py`.
+capture resumes at its first missing shard. `capture_layers: mapped` stores only the teacher
+layers the run's layer map reads (a run with another layer map refuses it). Format and bytes per
+token: `kvdistill/capture.py`.
 """
 
 from __future__ import annotations
@@ -77,8 +80,10 @@ def run_capture(cfg: KVDistillConfig, log=print) -> Path:
     for t in run.teachers:
         writers[t.name].finish(n, _dtype_name(t.model.dtype))
         size = sum(f.stat().st_size for f in (root / t.name).glob("*.safetensors"))
+        layers = settings[t.name].get("capture_layers")
+        kept = "all layers" if layers is None else f"layers {layers['kept']} of {layers['teacher_layers']}"
         log(f"{t.name}: {n} records, {tokens[t.name]} tokens, {size / 2**20:.1f} MiB ({size / max(tokens[t.name], 1):,.0f} "
-            f"bytes per token, {cfg.capture_dtype}) -> {root / t.name}")
+            f"bytes per token, {cfg.capture_dtype}, {kept}) -> {root / t.name}")
     log(f"captured {len(run.teachers)} teacher(s) in {time.time() - t0:.1f} s")
     return root
 

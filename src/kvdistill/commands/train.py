@@ -20,7 +20,13 @@ from transformers import set_seed
 from kvdistill.align.aligner import KVAligner, cache_dims
 from kvdistill.align.layer_map import build_layer_map
 from kvdistill.cache import SEGMENT_NAMES, extract_kv
-from kvdistill.capture import load_capture, tokenizer_hash, update_token_hash, weights_fingerprint
+from kvdistill.capture import (
+    load_capture,
+    mapped_layers,
+    tokenizer_hash,
+    update_token_hash,
+    weights_fingerprint,
+)
 from kvdistill.config import ConfigError, check_output_dir
 from kvdistill.data import DistillCollator, TeacherView, add_latent_token, load_records
 from kvdistill.fusion import TeacherFusion
@@ -230,6 +236,8 @@ def capture_settings(cfg: KVDistillConfig, run: RunInputs) -> dict[str, dict]:
             "dtype": str(spec.dtype), "quantization": spec.quantization, "capture_dtype": cfg.capture_dtype,
             "hidden_states": hidden, "logits": logits,
         }
+        if cfg.capture_layers == "mapped":  # the teacher layers this run's layer map reads, and no other
+            settings[t.name]["capture_layers"] = mapped_layers(_layer_map(cfg, spec, run.student, t.model))
     return settings
 
 

@@ -147,6 +147,8 @@ class KVDistillConfig(TrainingArguments):
                                          "teacher's outputs are read from it and no teacher weights are loaded. "
                                          "A capture of other data, tokenizer, max_length or teacher is refused.")
     capture_dtype: str = option("fp32", "dtype `kvdistill capture` stores the teacher cache in: fp32 | bf16 | fp16.")
+    capture_layers: str = option("all", "Teacher layers `kvdistill capture` stores: all | mapped (only those the "
+                                 "run's layer map reads; a run with another layer map refuses the capture).")
     teacher_control: str = option("none", f"Control run {TEACHER_CONTROLS}: untrained = random-init copies of the "
                                   "teachers; shuffled = each sample gets another sample's teacher (a derangement "
                                   "within the batch). A gain must beat both to count as knowledge transfer.")
@@ -280,6 +282,10 @@ class KVDistillConfig(TrainingArguments):
             raise ConfigError("fusion: correctness weighs teachers by their answers to the labelled records; the "
                               "transfer set has no gold answers: use fusion loss_sum or learned with transfer_data")
         check_choice("capture_dtype", self.capture_dtype, ("fp32", "bf16", "fp16"))
+        check_choice("capture_layers", self.capture_layers, ("all", "mapped"))
+        if self.capture_layers == "mapped" and self.student_input != "full" and self.teacher_compression == "rkv":
+            raise ConfigError("capture_layers: mapped drops teacher layers that teacher_compression: rkv scores "
+                              "tokens with; use capture_layers: all, or teacher_compression uniform / random / none")
         if self.teacher_capture and self.fusion == "correctness":
             raise ConfigError("fusion: correctness lets each teacher answer the questions, which a captured teacher "
                               "(no weights) cannot; use loss_sum or learned with teacher_capture")
