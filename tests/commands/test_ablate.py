@@ -1,6 +1,7 @@
 """`kvdistill ablate`: variants, resumable runner, statistics and report (synthetic runs), and
 one end-to-end ablation on the tiny fixtures with the real trainer and evaluator."""
 
+import copy
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -181,6 +182,14 @@ def test_runner_report_and_resume_with_synthetic_runs(tmp_path):
     # bookkeeping (checkpointing, logging) may change between a run and its resumption ...
     cfg.overrides.update(save_strategy="steps", save_steps=5, logging_steps=3)
     run_ablation(cfg, train_fn=fake2.train, eval_fn=fake2.eval, log=lambda s: None)
+    # ... and so may the ablation's output_dir: finished runs copied into another one are reused
+    import shutil
+
+    shutil.copytree(out / "runs", tmp_path / "out2" / "runs")
+    moved = copy.deepcopy(cfg)
+    moved.output_dir = str(tmp_path / "out2")
+    run_ablation(moved, train_fn=fake2.train, eval_fn=fake2.eval, log=lambda s: None)
+    assert fake2.trained == [] and (tmp_path / "out2" / "ablation.md").exists()
     # ... other settings in the same output_dir are refused, never mixed with the old runs
     cfg.overrides["max_steps"] = 20
     with pytest.raises(AblationError, match="max_steps differ"):

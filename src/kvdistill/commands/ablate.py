@@ -362,9 +362,10 @@ def eval_settings_for(cfg: AblationConfig, train_cfg: Mapping[str, Any]) -> dict
     return {k: v for k, v in settings.items() if v is not None}
 
 
-# how often and where a run writes, not what it learns: may change between a run and its resumption
-BOOKKEEPING = frozenset({"save_strategy", "save_steps", "save_total_limit", "logging_steps", "disable_tqdm",
-                         "report_to"})
+# how often and where a run writes, not what it learns: may change between a run and its resumption (a run
+# dir copied into another ablation's output_dir is reused there)
+BOOKKEEPING = frozenset({"output_dir", "save_strategy", "save_steps", "save_total_limit", "logging_steps",
+                         "disable_tqdm", "report_to"})
 
 
 def _check_same_settings(rdir: Path, train_cfg: dict[str, Any]) -> None:
