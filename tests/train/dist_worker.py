@@ -10,7 +10,6 @@ Run it with `--save_strategy no`: checkpoints are not what it looks at.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from torch import nn
 
 from kvdistill.commands.train import build_trainer
 from kvdistill.train.config import parse_config
+from kvdistill.train.distributed import gathered
 
 
 def param_kind(p: torch.Tensor) -> str:
@@ -40,15 +40,6 @@ def param_facts(p: torch.Tensor) -> dict:
     if kind == "zero3":
         return {"kind": kind, "local": p.ds_tensor.numel(), "full": p.ds_numel}
     return {"kind": kind, "local": p.numel(), "full": p.numel()}
-
-
-def gathered(params: list[nn.Parameter]):
-    """Context in which ZeRO-3 parameters hold their full values (a no-op for any other kind)."""
-    if any(param_kind(p) == "zero3" for p in params):
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params)
-    return contextlib.nullcontext()
 
 
 def teacher_facts(model: nn.Module) -> dict:

@@ -11,6 +11,14 @@ leave two orders of magnitude for 4 AdamW steps. A real bug is far outside them:
 the gradient sync or an optimizer that steps stale tensors moves weights by about the learning rate
 (1e-3) per step, a loss scaled by the world size moves the loss by a factor of 2.
 
+All three configs train, match the reference, checkpoint, resume and save a plain HF student
+(the resume test is marked slow). ZeRO-3 included: its models load already partitioned
+(transformers builds them inside `deepspeed.zero.Init`), the aligner-sizing probe gathers each one
+whole (`train.distributed.gathered`), and the projector's fused gather + matmul runs inside its
+module's call, where ZeRO-3's hooks gather the weight for the backward too. What ZeRO-3 cannot do on
+several processes (the main process generating alone: `fusion: correctness`, `accuracy_eval_steps`)
+is refused before anything loads.
+
 Teacher placement (the choice tested here, docs/training.md): under FSDP and ZeRO-2 every rank holds
 a whole, frozen teacher in eval mode, outside the sharded model; under ZeRO-3 teachers are
 partitioned like the student (`TeacherSet.prepare_deepspeed`).
@@ -45,17 +53,13 @@ LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
 STEPS = 4
 
 needs_deepspeed = pytest.mark.skipif(find_spec("deepspeed") is None, reason="deepspeed is not installed")
-# the fixes these need are outside this test's files; strict: an XPASS says the fix landed, drop the mark
-ZERO3_LOAD = ("under ZeRO-3 transformers loads the student and the teachers inside zero.Init (TrainingArguments "
-              "registers the ZeRO-3 config), so build_trainer's probe forward sees empty, partitioned weights; "
-              "past that, align.projectors._BagLinear.backward reads a projector weight ZeRO-3 has released")
 
 # accelerate config -> the kind of the trained parameters it gives (all runs: --use_cpu true, base_args)
 KINDS = {"fsdp": "dtensor", "deepspeed_zero2": "plain", "deepspeed_zero3": "zero3"}
 MODE_PARAMS = [
     pytest.param("fsdp"),
     pytest.param("deepspeed_zero2", marks=needs_deepspeed),
-    pytest.param("deepspeed_zero3", marks=[needs_deepspeed, pytest.mark.xfail(reason=ZERO3_LOAD, strict=True)]),
+    pytest.param("deepspeed_zero3", marks=needs_deepspeed),
 ]
 
 
@@ -128,11 +132,7 @@ def test_two_processes_match_one_and_shard_as_configured(config, launch, run_arg
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [
-    "fsdp",
-    pytest.param("deepspeed_zero2", marks=needs_deepspeed),
-    pytest.param("deepspeed_zero3", marks=[needs_deepspeed, pytest.mark.xfail(reason=ZERO3_LOAD, strict=True)]),
-])
+@pytest.mark.parametrize("config", MODE_PARAMS)
 def test_kvdistill_train_checkpoints_resumes_and_saves_a_plain_student(config, launch, run_args, reference, tmp_path):
     """`kvdistill train` under the config: checkpoint, resume, and a full student at the end."""
     _, ref_state = reference
@@ -156,6 +156,20 @@ def test_kvdistill_train_checkpoints_resumes_and_saves_a_plain_student(config, l
         aligner = KVAligner.load(resumed / "aligners" / name)
         for k, v in aligner.state_dict().items():
             torch.testing.assert_close(v, modules[f"aligners.{name}.{k}"], atol=0, rtol=0, msg=k)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(("option", "value", "error"), [
+    ("fusion", "correctness", "fusion: correctness has the main process answer"),
+    ("accuracy_eval_steps", 2, "accuracy_eval_steps has the main process decode"),
+])
+def test_zero3_refuses_main_process_generation_before_loading(option, value, error, launch, run_args, tmp_path):
+    # the main process generating alone would hang: under ZeRO-3 `generate` syncs every step over the ranks
+    cli = ["-m", "kvdistill.cli", "train", *run_args(tmp_path / "run", 2, **{option: value})]
+    r = launch(["--config_file", str(CONFIGS / "deepspeed_zero3.yaml"), "--num_processes", "2"], cli)
+    assert r.returncode != 0 and "exitcode  : 2" in r.stderr  # the CLI's one-line error, on each rank
+    assert f"kvdistill train: error: {error}" in r.stderr
+    assert "Loading weights" not in r.stderr  # refused before any model loads
 
 
 # ---------------------------------------------------------------- configs and launch checks, no launch

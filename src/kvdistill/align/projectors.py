@@ -80,7 +80,12 @@ class GroupedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(*lead, d_out)) if bias else None
         _init_weight_(self.weight.data, init)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, bags: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """`[..., d_in] -> [..., d_out]`; with `bags` (`bag_linear`, which checks the shapes), `x` is
+        the row table and the input the bags' weighted gathers. Bags run through this module call too:
+        DeepSpeed ZeRO-3 gathers a module's weights in the hooks of its call, for forward and backward."""
+        if bags is not None:
+            return _BagLinear.apply(x, *bags, self.weight, self.bias)
         if x.shape[-1] != self.d_in:
             raise ValueError(f"projector expects last dim {self.d_in}, got input {tuple(x.shape)}")
         if self.groups == 1:
@@ -109,7 +114,9 @@ class _BagLinear(torch.autograd.Function):
     """`y[l] = embedding_bag(rows[l], table, weights[l]) @ W[l]ᵀ + b[l]`, chunk by chunk.
 
     The gathered input is never stored: the forward gathers a chunk, projects it and drops it;
-    the backward gathers it again for the weight gradient. No gradient reaches `table`.
+    the backward gathers it again for the weight gradient. No gradient reaches `table`. It is applied
+    inside `GroupedLinear`'s call (`bag_linear`), whose hooks are where DeepSpeed ZeRO-3 gathers `weight`
+    before the forward and again before this backward, which reads it.
     """
 
     @staticmethod
@@ -186,7 +193,7 @@ def bag_linear(table: Tensor, rows: Tensor, weights: Tensor, linear: GroupedLine
         raise ValueError(f"grouped projector has {linear.groups} groups, the bags have {G}")
     if linear.groups == 1:  # one weight set: chunks may span groups (small inputs run as one chunk)
         rows, weights = rows.reshape(1, G * N, H, K), weights.reshape(1, G * N, H, K)
-    out = _BagLinear.apply(table.detach(), rows, weights, linear.weight, linear.bias)  # [G or 1, ..., d_out]
+    out = linear(table.detach(), bags=(rows, weights))  # [G or 1, ..., d_out]
     return out.view(G, N, -1)
 
 

@@ -16,6 +16,7 @@ import datasets
 import torch
 from accelerate import PartialState
 from transformers import set_seed
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from kvdistill.align.aligner import KVAligner, cache_dims
 from kvdistill.align.layer_map import build_layer_map
@@ -44,6 +45,7 @@ from kvdistill.models import (
 from kvdistill.report import environment
 from kvdistill.teachers import Teacher, TeacherSet, load_teacher
 from kvdistill.train.config import KVDistillConfig, TeacherConfig, parse_config
+from kvdistill.train.distributed import gathered
 from kvdistill.train.model import KVDistillModel, LossWeights
 from kvdistill.train.trainer import KVDistillTrainer
 
@@ -137,6 +139,21 @@ def teacher_correctness(cfg: KVDistillConfig, teachers: TeacherSet, records: lis
                     write_json_atomic(cache, stored, indent=None)
             cols.append(torch.tensor(stored[key], dtype=torch.float32))
     return torch.stack(cols, 1)
+
+
+def check_zero3(cfg: KVDistillConfig) -> None:
+    """Refuse, before anything loads, what has the main process generate alone: under ZeRO-3 on several
+    processes `generate` steps in sync over the ranks (transformers' `synced_gpus`), so it would wait
+    forever for the others."""
+    if cfg.world_size == 1 or not is_deepspeed_zero3_enabled():
+        return
+    why = "which under ZeRO-3 on several processes waits forever for the others"
+    if cfg.fusion == "correctness":
+        raise ConfigError(f"fusion: correctness has the main process answer with each teacher before training, "
+                          f"{why}; use fusion loss_sum or learned, or ZeRO-2")
+    if cfg.accuracy_eval_steps > 0:
+        raise ConfigError(f"accuracy_eval_steps has the main process decode with the student during training, {why}; "
+                          "set accuracy_eval_steps 0 and run `kvdistill eval` on the checkpoints, or use ZeRO-2")
 
 
 @dataclass
@@ -243,6 +260,7 @@ def capture_settings(cfg: KVDistillConfig, run: RunInputs) -> dict[str, dict]:
 
 def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
     """Load everything the config names and wire it into a `KVDistillTrainer`."""
+    check_zero3(cfg)
     run = load_run(cfg, teacher_weights=not cfg.teacher_capture)
     tokenizer, student, records, teachers, specs = run.tokenizer, run.student, run.records, run.teachers, run.specs
     collator = run.collator
@@ -254,21 +272,24 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
             n = load_capture(Path(cfg.teacher_capture) / t.name, settings[t.name], teacher_set.cache, cache_key(cfg, t))
             logger.info("teacher %s: %d records read from the capture in %s", t.name, n, cfg.teacher_capture)
 
-    # size the aligners from one probe batch (dims are read from the caches, so any pair works)
+    # size the aligners from one probe batch (dims are read from the caches, so any pair works); under
+    # ZeRO-3 the models were loaded partitioned: each is gathered whole for its probe, one at a time
     aligners, layer_maps, codi_dims = {}, {}, {}
     if teachers:
         probe = collator(records[:2])
         student.to(cfg.device)
-        skv = extract_kv(student, probe["input_ids"].to(cfg.device), probe["attention_mask"].to(cfg.device),
-                         probe["segment_ids"].to(cfg.device), key_space=cfg.key_space)
+        with gathered(student.parameters()):
+            skv = extract_kv(student, probe["input_ids"].to(cfg.device), probe["attention_mask"].to(cfg.device),
+                             probe["segment_ids"].to(cfg.device), key_space=cfg.key_space)
         for t, s in zip(teachers, specs):
             src = teacher_view(probe, t.name)
             # the outputs training reads (so a captured teacher serves the probe from its capture)
             _, key_space, hidden, logits = cache_key(cfg, t)
-            tkv, _ = teacher_set.forward(t.name, *(src[k].to(cfg.device) for k in ("input_ids", "attention_mask",
-                                                                                       "segment_ids")),
-                                         key_space=key_space, output_hidden_states=hidden, return_logits=logits,
-                                         index=probe["index"] if cfg.teacher_capture else None)
+            inputs = (src[k].to(cfg.device) for k in ("input_ids", "attention_mask", "segment_ids"))
+            index = probe["index"] if cfg.teacher_capture else None
+            with gathered(t.model.parameters()):
+                tkv, _ = teacher_set.forward(t.name, *inputs, key_space=key_space, output_hidden_states=hidden,
+                                             return_logits=logits, index=index)
             layer_maps[t.name] = _layer_map(cfg, s, student, t.model)
             aligner = make_aligner(cfg, s, layer_maps[t.name])
             aligner.setup(tkv, skv)

@@ -10,12 +10,19 @@ what the launch asked for in two cases:
   gloo's), so `enable_cpu_fsdp` restores the plugin.
 - Without `--use_cpu true`, no CPU process group is made (or, with `--ddp_backend gloo`, one that
   accelerate does not use for DDP/FSDP), and every worker trains alone. `check_launch` refuses that.
+
+On any device, under DeepSpeed ZeRO-3 models are loaded already partitioned: `gathered` gives a model
+its whole weights for a forward outside the DeepSpeed engine (the probe that sizes the aligners).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterable
 from typing import Any
+
+from torch import nn
 
 from kvdistill.config import ConfigError
 
@@ -53,3 +60,18 @@ def check_launch(accelerator: Any) -> None:
         raise ConfigError(f"{launched} processes were launched, but accelerate set up {kind} over "
                           f"{accelerator.num_processes} process(es), so each would train alone; on a machine "
                           "without GPUs pass `--use_cpu true`")
+
+
+def gathered(params: Iterable[nn.Parameter]) -> contextlib.AbstractContextManager:
+    """Context in which DeepSpeed ZeRO-3 parameters hold their whole values, read-only (a no-op for
+    any other kind). A collective: every rank enters it with the same parameters.
+
+    Under ZeRO-3, transformers loads every model inside `deepspeed.zero.Init` (the training arguments
+    register the config), so outside a DeepSpeed engine's forward a model's weights are empty partitions.
+    """
+    params = list(params)
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed  # only ZeRO-3 parameters carry a ds_id
+
+    return deepspeed.zero.GatheredParameters(params)
