@@ -280,25 +280,25 @@ class KVDistillTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.accelerator.sync_gradients:  # the accumulated (and synced) gradient the optimizer will use
-            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-            if grads and not torch.isfinite(torch.nn.utils.get_total_norm(list(grads.values()))):
-                bad = [n for n, g in grads.items() if not torch.isfinite(g).all()]
-                self._nonfinite(f"gradient of {bad[0]} is non-finite ({len(bad)} parameters)", model)
-                for g in grads.values():
-                    g.zero_()
-        logging_steps = max(int(self.args.logging_steps), 1)
-        if self.accelerator.sync_gradients and (self.state.global_step + 1) % logging_steps == 0:
-            for part, norm in self._grad_norms().items():
+        if not self.accelerator.sync_gradients:
+            return loss
+        # the accumulated (and synced) gradient the optimizer will use: one norm per part, which serves both
+        # the non-finite check and the grad_norm/<part> logs
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        parts = {"student": [], "aligner": []}
+        for n, g in grads.items():
+            parts["student" if ".student." in f".{n}" else "aligner"].append(g)
+        norms = {k: float(torch.nn.utils.get_total_norm(v)) if v else 0.0 for k, v in parts.items()}
+        if not all(math.isfinite(v) for v in norms.values()):
+            bad = [n for n, g in grads.items() if not torch.isfinite(g).all()]
+            self._nonfinite(f"gradient of {bad[0]} is non-finite ({len(bad)} parameters)", model)
+            for g in grads.values():
+                g.zero_()
+            norms = dict.fromkeys(norms, 0.0)  # what the optimizer gets (on_nonfinite: skip)
+        if (self.state.global_step + 1) % max(int(self.args.logging_steps), 1) == 0:
+            for part, norm in norms.items():
                 self._metrics[f"grad_norm/{part}"].append(norm)
         return loss
-
-    def _grad_norms(self) -> dict[str, float]:
-        sq = {"student": 0.0, "aligner": 0.0}
-        for n, p in self.model.named_parameters():
-            if p.grad is not None:
-                sq["student" if ".student." in f".{n}" else "aligner"] += float(p.grad.detach().float().square().sum())
-        return {k: math.sqrt(v) for k, v in sq.items()}
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._metrics:
