@@ -243,7 +243,7 @@ class KVDistillConfig(TrainingArguments):
                               "(for SFT only, set kv_weight: 0)")
         if (self.activation_checkpointing or self.gradient_checkpointing) and self.kv_weight > 0:
             raise ConfigError("gradient (activation) checkpointing makes transformers drop the student's KV cache in "
-                              "training, so the KV loss has nothing to compare; set gradient_checkpointing: false "
+                              "training, so the KV loss has nothing to compare; set activation_checkpointing: false "
                               "(or kv_weight: 0); see docs/training.md")
         if self.accuracy_eval_steps < 0 or self.accuracy_eval_limit < 1:
             raise ConfigError("accuracy_eval_steps must be >= 0 and accuracy_eval_limit >= 1")
