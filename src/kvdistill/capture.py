@@ -14,9 +14,11 @@ dtype). With `capture_layers: mapped` keys and values hold only the `L_kept` tea
 run's layer map reads (`[sum T_i, L_kept, H, D]`; the settings list them, so a run with another
 map refuses the capture); reading puts them back at their indices of `[T_i, L, H, D]` with zeros at
 the other layers, where every layer-map weight is 0 (the map is fixed, never learned), so the
-aligner reads what a full capture gives. Shards are written to a temp name and renamed; the
-manifest is rewritten after every shard and says `complete: true` only after the last, so a
-killed capture is resumed shard by shard and an incomplete one is never used.
+aligner reads what a full capture gives. With `capture_keep < 1` a record holds only the kept
+positions of its rationale (`compress_rationale`), so `T_i` is shorter than the teacher's input.
+Shards are written to a temp name and renamed; the manifest is rewritten after every shard and says
+`complete: true` only after the last, so a killed capture is resumed shard by shard and an
+incomplete one is never used.
 
 Bytes per token per teacher: 2 (K and V) × L × H_kv × D × bytes per value, e.g. Qwen2-7B
 (L 28, H_kv 4, D 128) in bf16: 2 × 28 × 4 × 128 × 2 = 57,344 B = 56 KiB per token, 28 MiB per
@@ -41,6 +43,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from kvdistill.align.compress import Compression, compress_cache
+from kvdistill.cache import REASONING, KVCache
 from kvdistill.config import ConfigError
 from kvdistill.io import read_json, write_json_atomic
 from kvdistill.teachers import TeacherCache
@@ -110,6 +114,20 @@ def mapped_layers(M: Tensor) -> dict[str, Any]:
     return {"kept": (M != 0).any(0).nonzero().flatten().tolist(), "teacher_layers": M.shape[1]}
 
 
+def compress_rationale(kv: KVCache, keep: float, method: Compression = "uniform", lam: float = 0.1,
+                       generator: torch.Generator | None = None) -> KVCache:
+    """`capture_keep`: keep `ceil(keep * n)` of each sample's `n` rationale (REASONING) positions.
+
+    The prompt and answer stay whole; the kept positions are chosen by `align.compress.compress_cache`
+    (`uniform`: evenly spaced; `rkv`: attention importance minus redundancy, the answer keys as
+    queries; `random`) and packed left in time order, right-padded, as the cache stores records.
+    Segment time alignment then maps the student's rationale onto the kept positions.
+    """
+    n = (kv.attention_mask.bool() & (kv.segment_ids == REASONING)).sum(1)  # [B]
+    slots = torch.ceil(n * keep).long()  # [B]; >= 1 wherever the sample has a rationale
+    return compress_cache(kv, slots, method=method, lam=lam, generator=generator)[0]
+
+
 def write_shard(path: Path, entries: list[tuple[int, dict[str, Tensor]]], dtype: torch.dtype,
                 layers: list[int] | None = None) -> None:
     """Write `(record id, TeacherCache entry)` pairs as one shard (temp file, then rename); with
@@ -155,6 +173,14 @@ class CaptureWriter:
                     None if layers is None else layers["kept"])
         self.shards = [*self.shards[:k], name]
         self._write_manifest(complete=False)
+
+    def positions(self) -> int:
+        """Time positions stored over all shards written so far."""
+        total = 0
+        for name in self.shards:
+            with safe_open(str(self.root / name), framework="pt") as f:
+                total += f.get_slice("segment_ids").get_shape()[0]
+        return total
 
     def finish(self, n_records: int, teacher_dtype: str) -> None:
         """Mark the capture complete; `teacher_dtype` (fp32/bf16/fp16) is what a reader casts back to."""

@@ -1,5 +1,6 @@
 """`kvdistill capture` and training from a capture: equal losses, refused mismatches, resume."""
 
+import itertools
 import json
 
 import pytest
@@ -157,3 +158,61 @@ def test_capture_layers_is_checked(base_args, tiny_world, tmp_path, change, name
 
     with pytest.raises(ConfigError, match=named):
         parse_config(_argv(base_args, tiny_world, tmp_path, **change))
+
+
+def _records(shard: dict) -> list[dict]:
+    """The records of one loaded shard, each `{field: [T_i, ...]}`."""
+    starts = shard["offsets"].tolist()
+    return [{k: shard[k][a:b] for k in ("keys", "values", "segment_ids")} for a, b in itertools.pairwise(starts)]
+
+
+def test_capture_keep_stores_evenly_spaced_rationale_positions_and_trains(base_args, tiny_world, tmp_path):
+    from fractions import Fraction
+    from math import ceil, floor
+
+    from kvdistill.cache import REASONING
+
+    kw = {"kv_loss": "mercator", "logit_kd_weight": 0}  # logit KD reads every position: refused with capture_keep
+    full = capture_cmd.run_capture(parse_config(_argv(base_args, tiny_world, tmp_path / "all", **kw)),
+                                   log=lambda _: None)
+    argv = _argv(base_args, tiny_world, tmp_path / "half", capture_keep=0.5, **kw)
+    half = capture_cmd.run_capture(parse_config(argv), log=lambda _: None)
+    for name in ("qwen2_teacher", "llama_teacher_alt_tok"):
+        settings = json.loads((half / name / MANIFEST).read_text())["settings"]
+        assert settings["capture_positions"] == {"keep": 0.5, "method": "uniform"}
+        a, h = (load_file(next((d / name).glob("shard-*.safetensors"))) for d in (full, half))
+        assert torch.equal(a["index"], h["index"])
+        for ra, rh in zip(_records(a), _records(h)):
+            r_a, r_h = ra["segment_ids"] == REASONING, rh["segment_ids"] == REASONING
+            n = int(r_a.sum())
+            k = ceil(n / 2)
+            assert int(r_h.sum()) == k and n >= 2
+            # prompt and answer whole; rationale ranks round(i (n - 1) / (k - 1)), evenly spaced
+            ranks = [floor(Fraction(i * (n - 1), k - 1) + Fraction(1, 2)) for i in range(k)]
+            for f in ("keys", "values"):
+                torch.testing.assert_close(rh[f][~r_h], ra[f][~r_a], rtol=0, atol=0)
+                torch.testing.assert_close(rh[f][r_h], ra[f][r_a][ranks], rtol=0, atol=0)
+    assert _size(half) < _size(full)
+    trainer = build_trainer(parse_config(argv))
+    trainer.train()
+    kv_loss = [h["kv_loss"] for h in trainer.state.log_history if "kv_loss" in h]
+    assert len(kv_loss) == 3 and all(0.1 < v < 10 for v in kv_loss)
+    # a run that expects every position refuses the half capture, naming the setting
+    with pytest.raises(CaptureError, match="does not match this run: capture_positions"):
+        build_trainer(parse_config(_argv(base_args, tiny_world, tmp_path / "half", **kw)))
+
+
+@pytest.mark.parametrize("method", ["rkv", "random"])
+def test_capture_keep_other_methods_from_the_cli(base_args, tiny_world, tmp_path, capsys, method):
+    from kvdistill.cli import main as cli
+
+    argv = _argv(base_args, tiny_world, tmp_path, capture_keep=0.25, capture_compression=method, logit_kd_weight=0,
+                 max_steps=2)
+    assert cli(["capture", *argv]) == 0
+    out = capsys.readouterr().out
+    assert f"positions stored ({method}, capture_keep 0.25)" in out
+    first = load_file(next((tmp_path / "capture" / "qwen2_teacher").glob("shard-*.safetensors")))
+    assert cli(["capture", *argv]) == 0  # complete: nothing recomputed, the same positions
+    again = load_file(next((tmp_path / "capture" / "qwen2_teacher").glob("shard-*.safetensors")))
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert cli(["train", *argv]) == 0

@@ -1,7 +1,7 @@
 """`kvdistill capture`: run every teacher once over a run's records and store its KV cache.
 
     kvdistill capture --config train.yaml --teacher_capture captures/run1 [--capture_dtype bf16]
-        [--capture_layers mapped]
+        [--capture_layers mapped] [--capture_keep 0.5 --capture_compression uniform]
 
 It reads the training config itself (the file `kvdistill train` reads), so the capture holds
 exactly the teacher outputs that run needs: its labelled records and transfer set, each
@@ -10,8 +10,9 @@ same config and `teacher_capture: DIR` then loads no teacher weights, and its lo
 live-teacher run's up to float rounding in an fp32 capture (tested to 1e-5). A capture whose data, tokenizer, max_length, teacher
 weights or settings differ from the run is refused with the differing fields named; a killed
 capture resumes at its first missing shard. `capture_layers: mapped` stores only the teacher
-layers the run's layer map reads (a run with another layer map refuses it). Format and bytes per
-token: `kvdistill/capture.py`.
+layers the run's layer map reads (a run with another layer map refuses it); `capture_keep < 1` only a
+share of each rationale's positions (`capture.compress_rationale`). Format and bytes per token:
+`kvdistill/capture.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from kvdistill.capture import CaptureWriter
+from kvdistill.capture import CaptureWriter, compress_rationale
 from kvdistill.commands.train import cache_key, capture_settings, load_run, teacher_batches, teacher_view
 from kvdistill.config import ConfigError, check_output_dir
 from kvdistill.models import DTYPES
@@ -68,9 +69,15 @@ def run_capture(cfg: KVDistillConfig, log=print) -> Path:
             if writers[t.name].done(shard):
                 continue
             _, key_space, hidden, logits = keys[t.name]
-            teachers.forward(t.name, *(src[k].to(cfg.device) for k in ("input_ids", "attention_mask", "segment_ids")),
-                             key_space=key_space, output_hidden_states=hidden, return_logits=logits,
-                             index=batch["index"])
+            kv, _ = teachers.forward(t.name, *(src[k].to(cfg.device) for k in ("input_ids", "attention_mask",
+                                                                                "segment_ids")),
+                                     key_space=key_space, output_hidden_states=hidden, return_logits=logits,
+                                     index=batch["index"])
+            if cfg.capture_keep < 1:  # store the kept positions in place of the full records (no logits here)
+                generator = torch.Generator(device=kv.keys.device).manual_seed(cfg.seed * 1_000_003 + j)
+                kv = compress_rationale(kv, cfg.capture_keep, cfg.capture_compression, cfg.compression_lambda,
+                                        generator)
+                teachers.cache.put(keys[t.name], batch["index"], kv, None)
             entries[t.name] += [(int(i), teachers.cache.store.pop((*keys[t.name], int(i)))) for i in batch["index"]]
         if (j + 1) % per_shard == 0 or j + 1 == n_batches:
             for name, writer in writers.items():
@@ -82,6 +89,9 @@ def run_capture(cfg: KVDistillConfig, log=print) -> Path:
         size = sum(f.stat().st_size for f in (root / t.name).glob("*.safetensors"))
         layers = settings[t.name].get("capture_layers")
         kept = "all layers" if layers is None else f"layers {layers['kept']} of {layers['teacher_layers']}"
+        if cfg.capture_keep < 1:
+            kept += (f", {writers[t.name].positions()} positions stored ({cfg.capture_compression}, capture_keep "
+                     f"{cfg.capture_keep})")
         log(f"{t.name}: {n} records, {tokens[t.name]} tokens, {size / 2**20:.1f} MiB ({size / max(tokens[t.name], 1):,.0f} "
             f"bytes per token, {cfg.capture_dtype}, {kept}) -> {root / t.name}")
     log(f"captured {len(run.teachers)} teacher(s) in {time.time() - t0:.1f} s")

@@ -255,6 +255,13 @@ def capture_settings(cfg: KVDistillConfig, run: RunInputs) -> dict[str, dict]:
         }
         if cfg.capture_layers == "mapped":  # the teacher layers this run's layer map reads, and no other
             settings[t.name]["capture_layers"] = mapped_layers(_layer_map(cfg, spec, run.student, t.model))
+        if cfg.capture_keep < 1:  # a share of each rationale's positions, picked by one method
+            positions = {"keep": cfg.capture_keep, "method": cfg.capture_compression}
+            if cfg.capture_compression == "rkv":
+                positions["lambda"] = cfg.compression_lambda
+            elif cfg.capture_compression == "random":
+                positions["seed"] = cfg.seed
+            settings[t.name]["capture_positions"] = positions
     return settings
 
 

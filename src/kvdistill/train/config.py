@@ -149,6 +149,11 @@ class KVDistillConfig(TrainingArguments):
     capture_dtype: str = option("fp32", "dtype `kvdistill capture` stores the teacher cache in: fp32 | bf16 | fp16.")
     capture_layers: str = option("all", "Teacher layers `kvdistill capture` stores: all | mapped (only those the "
                                  "run's layer map reads; a run with another layer map refuses the capture).")
+    capture_keep: float = option(1.0, "Fraction of each teacher rationale's positions `kvdistill capture` stores (the "
+                                 "prompt and answer are kept whole); 1 stores every position. Segment time alignment "
+                                 "reads the kept ones (needs time_mode: segment, no logit KD).")
+    capture_compression: str = option("uniform", f"How capture_keep < 1 picks the rationale positions: {COMPRESSIONS} "
+                                      "(rkv: attention importance minus key redundancy, as teacher_compression).")
     teacher_control: str = option("none", f"Control run {TEACHER_CONTROLS}: untrained = random-init copies of the "
                                   "teachers; shuffled = each sample gets another sample's teacher (a derangement "
                                   "within the batch). A gain must beat both to count as knowledge transfer.")
@@ -208,7 +213,8 @@ class KVDistillConfig(TrainingArguments):
             "kv_loss": KV_LOSSES, "fusion": FUSIONS, "logit_kd_kind": LOGIT_KD, "direction": DIRECTIONS,
             "key_space": ("auto", "post_rope", "pre_rope"), "projector_init": ("xavier", "orthogonal", "identity"),
             "teacher_control": TEACHER_CONTROLS, "teacher_compression": (*COMPRESSIONS, "none"),
-            "on_nonfinite": ON_NONFINITE,
+            "on_nonfinite": ON_NONFINITE, "capture_dtype": ("fp32", "bf16", "fp16"), "capture_layers": ("all", "mapped"),
+            "capture_compression": COMPRESSIONS,
         }
         for key, allowed in choices.items():
             check_choice(key, getattr(self, key), allowed)
@@ -281,11 +287,18 @@ class KVDistillConfig(TrainingArguments):
         if self.transfer_data and self.fusion == "correctness":
             raise ConfigError("fusion: correctness weighs teachers by their answers to the labelled records; the "
                               "transfer set has no gold answers: use fusion loss_sum or learned with transfer_data")
-        check_choice("capture_dtype", self.capture_dtype, ("fp32", "bf16", "fp16"))
-        check_choice("capture_layers", self.capture_layers, ("all", "mapped"))
         if self.capture_layers == "mapped" and self.student_input != "full" and self.teacher_compression == "rkv":
             raise ConfigError("capture_layers: mapped drops teacher layers that teacher_compression: rkv scores "
                               "tokens with; use capture_layers: all, or teacher_compression uniform / random / none")
+        if not 0 < self.capture_keep <= 1:
+            raise ConfigError(f"capture_keep must be in (0, 1], got {self.capture_keep}: the fraction of rationale "
+                              "positions a capture stores (1: all)")
+        if self.capture_keep < 1 and self.time_mode != "segment":
+            raise ConfigError(f"capture_keep < 1 drops rationale positions, which time_mode: {self.time_mode} would "
+                              "misalign; use time_mode: segment (each segment maps onto its kept positions)")
+        if self.capture_keep < 1 and self.logit_kd_weight > 0:
+            raise ConfigError("capture_keep < 1 drops teacher positions that logit KD compares token by token; set "
+                              "capture_keep: 1 or logit_kd_weight: 0")
         if self.teacher_capture and self.fusion == "correctness":
             raise ConfigError("fusion: correctness lets each teacher answer the questions, which a captured teacher "
                               "(no weights) cannot; use loss_sum or learned with teacher_capture")
