@@ -215,8 +215,7 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
 def cache_key(cfg: KVDistillConfig, teacher: Teacher) -> tuple:
     """The teacher-cache key of what training reads from `teacher`: KV, hidden states for CODI,
     logits for logit KD (only from teachers that share the student's tokens)."""
-    logits = cfg.logit_kd_weight > 0 and teacher.shares_student_tokens
-    return TeacherSet.cache_key(teacher.name, cfg.key_space, cfg.codi_weight > 0, logits)
+    return TeacherSet.cache_key(teacher.name, *cfg.teacher_outputs(teacher.shares_student_tokens))
 
 
 def teacher_batches(run: RunInputs, batch_size: int):

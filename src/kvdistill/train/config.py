@@ -345,6 +345,11 @@ class KVDistillConfig(TrainingArguments):
                     f"{layers}; re-run `kvdistill layer-map` for this model pair"
                 )
 
+    def teacher_outputs(self, shares_student_tokens: bool) -> tuple[str, bool, bool]:
+        """What training reads from a teacher: `(key_space, hidden states?, logits?)`. Hidden states for
+        CODI; logits for logit KD, only from a teacher that shares the student's tokens."""
+        return self.key_space, self.codi_weight > 0, self.logit_kd_weight > 0 and shares_student_tokens
+
     def to_yaml_dict(self) -> dict:
         """The resolved config as plain YAML-able data (enums as strings, teachers as mappings)."""
         d = {k: v for k, v in self.to_dict().items() if not k.startswith("_") and k != "teacher_configs"}

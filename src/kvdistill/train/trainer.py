@@ -254,11 +254,10 @@ class KVDistillTrainer(Trainer):
             src = teacher_inputs.get(t.name, inputs)
             ids, mask, seg = (src[k] if perm is None else src[k][perm] for k in ("input_ids", "attention_mask",
                                                                                   "segment_ids"))
-            want_logits = args.logit_kd_weight > 0 and t.shares_student_tokens
+            key_space, hidden, want_logits = args.teacher_outputs(t.shares_student_tokens)
             kvs[t.name], out_logits = self.teachers.forward(
                 t.name, ids, mask, seg,
-                key_space=args.key_space, output_hidden_states=args.codi_weight > 0, return_logits=want_logits,
-                index=index,
+                key_space=key_space, output_hidden_states=hidden, return_logits=want_logits, index=index,
             )
             if compress:
                 kvs[t.name], _ = compress_cache(kvs[t.name], slots, method=args.teacher_compression,
