@@ -68,6 +68,8 @@ def placement(trainer) -> dict:
                              for g in trainer.optimizer.param_groups],
         "teachers": {t.name: teacher_facts(t.model) for t in trainer.teachers},
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "grad_norms": [{k: v for k, v in h.items() if k.startswith("grad_norm")} for h in trainer.state.log_history
+                       if "loss" in h],
     }
 
 

@@ -75,3 +75,25 @@ def test_find_nonfinite_walks_the_loss_path(base_args):
     with torch.no_grad():
         next(model.student.parameters()).fill_(float("nan"))  # the embeddings
     assert model.find_nonfinite(*args, kvs, logits) == "the student: its logits"
+
+
+@pytest.mark.parametrize("norm, fp16, raises", [
+    (float("inf"), False, True),
+    (float("nan"), False, True),
+    (1.5, False, False),
+    (None, False, False),  # ZeRO-1/2 with the norm computation off
+    (float("inf"), True, False),  # fp16: DeepSpeed's loss scaler skips the step itself
+])
+def test_deepspeed_step_check_reads_the_engine_norm(norm, fp16, raises):
+    """Under DeepSpeed the step has been taken inside backward: a non-finite engine norm ends the run."""
+    from types import SimpleNamespace
+
+    from kvdistill.train.trainer import KVDistillTrainer
+
+    stub = SimpleNamespace(model_wrapped=SimpleNamespace(get_global_grad_norm=lambda: norm),
+                           args=SimpleNamespace(fp16=fp16), state=SimpleNamespace(global_step=6))
+    if raises:
+        with pytest.raises(NonFiniteError, match=r"step 7: the gradient norm is .* DeepSpeed has already applied"):
+            KVDistillTrainer._check_deepspeed_step(stub)
+    else:
+        KVDistillTrainer._check_deepspeed_step(stub)

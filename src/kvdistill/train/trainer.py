@@ -281,6 +281,9 @@ class KVDistillTrainer(Trainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         if not self.accelerator.sync_gradients:
             return loss
+        if self.is_deepspeed_enabled:
+            self._check_deepspeed_step()
+            return loss
         # the accumulated (and synced) gradient the optimizer will use: one norm per part, which serves both
         # the non-finite check and the grad_norm/<part> logs
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -298,6 +301,18 @@ class KVDistillTrainer(Trainer):
             for part, norm in norms.items():
                 self._metrics[f"grad_norm/{part}"].append(norm)
         return loss
+
+    def _check_deepspeed_step(self) -> None:
+        """DeepSpeed keeps gradients in its own buffers and steps inside `backward`, so per-part norms
+        cannot be read (they are not logged, rather than logged as 0) and a bad step cannot be undone:
+        a non-finite global norm ends the run whatever `on_nonfinite` says. fp16 is left to DeepSpeed's
+        loss scaler, which skips overflowing steps itself."""
+        norm = self.model_wrapped.get_global_grad_norm()
+        if self.args.fp16 or norm is None or math.isfinite(float(norm)):
+            return
+        raise NonFiniteError(f"step {self.state.global_step + 1}: the gradient norm is {float(norm)} and DeepSpeed "
+                             "has already applied the step; lower the learning rate, or run teachers in bf16/fp32 "
+                             "rather than fp16")
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._metrics:
