@@ -322,9 +322,22 @@ class KVDistillTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
-        """`Trainer.train`, resuming only from complete checkpoints (`last` picks the newest one)."""
-        return super().train(resume_from_checkpoint=resolve_checkpoint(self.args.output_dir, resume_from_checkpoint),
-                             **kwargs)
+        """`Trainer.train`, resuming only from complete checkpoints (`last` picks the newest one) made with
+        the same teachers (checked here for every backend: DeepSpeed loads its checkpoints itself)."""
+        ckpt = resolve_checkpoint(self.args.output_dir, resume_from_checkpoint)
+        if ckpt is not None:
+            self._check_teachers(Path(ckpt))
+        return super().train(resume_from_checkpoint=ckpt, **kwargs)
+
+    def _check_teachers(self, ckpt: Path) -> None:
+        saved = json.loads((ckpt / TEACHERS_FILE).read_text()) if (ckpt / TEACHERS_FILE).exists() else []
+        now = self.teachers.manifest()
+        key = lambda ts: [(t["name"], t["config_hash"]) for t in ts]  # noqa: E731
+        if key(saved) != key(now):
+            raise ConfigError(
+                f"checkpoint {ckpt} was trained with teachers {key(saved)}, this run has {key(now)}; resume with "
+                "the same teachers, or start a new run (a new output_dir) without --resume_from_checkpoint"
+            )
 
     def _save_checkpoint(self, model, trial) -> None:
         """Trainer's checkpoint, then the completeness marker, then the rotation of old checkpoints, in
@@ -371,14 +384,6 @@ class KVDistillTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         ckpt = Path(resume_from_checkpoint)
-        saved = json.loads((ckpt / TEACHERS_FILE).read_text()) if (ckpt / TEACHERS_FILE).exists() else []
-        now = self.teachers.manifest()
-        key = lambda ts: [(t["name"], t["config_hash"]) for t in ts]  # noqa: E731
-        if key(saved) != key(now):
-            raise ConfigError(
-                f"checkpoint {ckpt} was trained with teachers {key(saved)}, this run has {key(now)}; resume with "
-                "the same teachers, or start a new run (a new output_dir) without --resume_from_checkpoint"
-            )
         wrapper = self.distill_model
         student = wrapper.student
         try:  # a file damaged after the save (truncated copy, full disk): name it, not the parser's internals
