@@ -150,6 +150,8 @@ def test_kvdistill_train_checkpoints_resumes_and_saves_a_plain_student(config, l
     _launch_2(launch, config, run_args(full, 2, save_steps=2), cli)
     shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
     _launch_2(launch, config, run_args(resumed, 2, save_steps=2, resume_from_checkpoint=resumed / "checkpoint-2"), cli)
+    for i in range(2):  # a rank holds a shard: its sum is labelled as such, not as the model's fingerprint
+        assert set(json.loads((full / "ranks" / f"rank{i}.json").read_text())) == {"logged_loss", "local_shard_checksum"}
 
     for f in ("model.safetensors", "kvdistill_modules.safetensors"):
         a, b = load_file(full / f), load_file(resumed / f)

@@ -334,9 +334,10 @@ def run_training(cfg: KVDistillConfig) -> Path:
         # logged losses are gathered over ranks; `result.training_loss` is this rank's own average
         last_logged_loss = [h["loss"] for h in trainer.state.log_history if "loss" in h][-1]
         checksum = sum(float(p.double().sum()) for p in trainer.distill_model.parameters())
-        (out / "ranks" / f"rank{cfg.process_index}.json").write_text(
-            json.dumps({"logged_loss": last_logged_loss, "param_checksum": checksum})
-        )
+        # FSDP and DeepSpeed leave each rank a shard (or an empty ZeRO-3 partition): its sum is no fingerprint
+        sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
+        (out / "ranks" / f"rank{cfg.process_index}.json").write_text(json.dumps(
+            {"logged_loss": last_logged_loss, "local_shard_checksum" if sharded else "param_checksum": checksum}))
     if trainer.is_world_process_zero():
         from kvdistill.train.curves import final_metrics, plot_training_curves
 
