@@ -61,10 +61,13 @@ def load_teacher(spec: Any, student_tokenizer: Any, *, untrained: bool = False, 
     architecture on the meta device (no memory): a teacher whose outputs come from a capture.
     """
     if not weights:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
+        config = AutoConfig.from_pretrained(spec.path)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path))
+            # the class itself, not `from_config`: under ZeRO-3 that partitions (`zero.Init`) and initialises
+            # the weights, which a meta model has none of
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
         untrained = False
     else:
         model = load_model(spec.path, dtype=spec.dtype, quantization=spec.quantization)
@@ -185,11 +188,14 @@ class TeacherSet:
         return list(self.teachers)
 
     def prepare_deepspeed(self, accelerator: Any) -> None:
-        """Wrap each teacher in a DeepSpeed inference engine with the run's ZeRO config."""
+        """Wrap each teacher in a DeepSpeed inference engine with the run's ZeRO config; a captured
+        teacher (no weights, never run) stays as it is."""
         import deepspeed  # only reached under DeepSpeed
 
         config = teacher_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config)
         for t in self:
+            if is_captured(t):
+                continue
             engine, *_ = deepspeed.initialize(model=t.model, config=config)
             t.model = engine.module
             t.model.eval()

@@ -46,9 +46,13 @@ def teacher_facts(model: nn.Module) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     params = list(model.parameters())
-    with gathered(params):
-        checksum = sum(float(p.detach().double().sum()) for p in params)
+    meta = any(p.is_meta for p in params)  # a captured teacher: no weights
+    checksum = None
+    if not meta:
+        with gathered(params):
+            checksum = sum(float(p.detach().double().sum()) for p in params)
     return {
+        "meta": meta,
         "kinds": sorted({param_kind(p) for p in params}),
         "fsdp_wrapped": any(isinstance(m, FSDPModule) for m in model.modules()),
         "training": model.training,

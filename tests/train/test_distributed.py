@@ -12,7 +12,7 @@ the gradient sync or an optimizer that steps stale tensors moves weights by abou
 (1e-3) per step, a loss scaled by the world size moves the loss by a factor of 2.
 
 All three configs train, match the reference, checkpoint, resume and save a plain HF student
-(the resume test is marked slow). ZeRO-3 included: its models load already partitioned
+(the resume test is marked slow), and train from a `kvdistill capture` with no teacher weights. ZeRO-3 included: its models load already partitioned
 (transformers builds them inside `deepspeed.zero.Init`), the aligner-sizing probe gathers each one
 whole (`train.distributed.gathered`), and the projector's fused gather + matmul runs inside its
 module's call, where ZeRO-3's hooks gather the weight for the backward too. What ZeRO-3 cannot do on
@@ -167,6 +167,22 @@ def test_kvdistill_train_checkpoints_resumes_and_saves_a_plain_student(config, l
         aligner = KVAligner.load(resumed / "aligners" / name)
         for k, v in aligner.state_dict().items():
             torch.testing.assert_close(v, modules[f"aligners.{name}.{k}"], atol=0, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize("config", MODE_PARAMS)
+def test_captured_teachers_train_as_the_live_ones(config, launch, run_args, reference, tmp_path):
+    """Teachers read from a `kvdistill capture` (meta-device models, no weights) under each config:
+    the same losses as the live one-process reference."""
+    from kvdistill.commands.capture import run_capture
+
+    ref_losses, _ = reference
+    out, capture = tmp_path / "run", tmp_path / "capture"
+    run_capture(parse_config(run_args(tmp_path / "cap", 4, teacher_capture=capture)), log=lambda _: None)
+    _launch_2(launch, config, run_args(out, 2, save_strategy="no", teacher_capture=capture), [str(WORKER)])
+    for i in range(2):
+        rank = json.loads((out / f"placement_rank{i}.json").read_text())
+        assert rank["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL)
+        assert all(t["meta"] for t in rank["teachers"].values())  # no teacher weights on any rank
 
 
 @needs_deepspeed
