@@ -90,6 +90,29 @@ def test_collator_pads_and_adds_teacher_views(tiny_world):
     assert t["input_ids"].shape[1] != T
 
 
+def test_collator_tokenizes_each_record_once_per_view(tiny_world, monkeypatch):
+    import kvdistill.data as data
+
+    tok = load_tokenizer(tiny_world.tokenizers["bpe"])
+    alt = load_tokenizer(tiny_world.tokenizers["bpe_alt"])
+    records = load_records(tiny_world.data_dir, "train", limit=4)
+    collate = DistillCollator(tok, max_length=256, teachers={"alt": TeacherView(alt)})
+    calls = []
+    monkeypatch.setattr(data, "tokenize_example", lambda *a, **k: calls.append(a[1]) or tokenize_example(*a, **k))
+    first = collate(records)
+    assert len(calls) == 8  # 4 records x (student, alt)
+    again = collate(records[::-1])  # other order, same records: nothing tokenized again
+    assert len(calls) == 8
+    for key in ("input_ids", "segment_ids", "labels"):
+        assert torch.equal(again[key].flip(0), first[key])
+    for key in ("input_ids", "segment_ids"):
+        assert torch.equal(again["teacher_inputs"]["alt"][key].flip(0), first["teacher_inputs"]["alt"][key])
+    collate([{**records[0], "answer": records[0]["answer"] + " "}])  # changed content: tokenized anew
+    assert len(calls) == 10
+    first["input_ids"][0, 0] = -7  # batches are fresh tensors: the cached features are untouched
+    assert collate(records)["input_ids"][0, 0] != -7
+
+
 def test_load_records_formats_and_field_map(tmp_path):
     rows = [{"Q": f"q{i}", "A": f"r\n#### {i}"} for i in range(5)]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
