@@ -361,3 +361,37 @@ def test_parallel_workers_give_the_same_numbers_as_one_process(tiny_world, tmp_p
         # one setup (run dates dropped), recorded with its thread count
         assert len(report["environments"]) == 1 and report["environments"][0]["torch_threads"] == 1
     assert results[1] == results[2]
+
+
+def test_capture_trains_every_seed_from_one_capture_per_variant(tiny_world, tmp_path, capsys):
+    """`capture: true`: the teachers run once per variant (per seed for the untrained control); the runs
+    read them from the capture and give the live runs' numbers."""
+    m = tiny_world.models
+    _write_yaml(tmp_path / "train.yaml", {
+        "student": str(m["student"]), "teachers": [{"path": str(m["qwen2_teacher"])}], "data": str(tiny_world.data_dir),
+        "max_length": 160, "max_steps": 3, "max_samples": 8, "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 1, "learning_rate": 1e-3, "kv_warmup_steps": 0, "logging_steps": 1,
+        "save_strategy": "no", "use_cpu": True, "disable_tqdm": True, "report_to": "none",
+    })
+    results = {}
+    for capture, seeds in ((True, [0, 1]), (False, [1])):
+        abl = _write_yaml(tmp_path / f"c{capture}.yaml", {
+            "base_config": "train.yaml", "output_dir": str(tmp_path / f"c{capture}"), "seeds": seeds,
+            "variants": ["baseline", "kv", "kv_untrained"], "eval": {"limit": 6, "batch_size": 6, "max_new_tokens": 8},
+            "n_resamples": 200, "capture": capture,
+        })
+        assert main(["--config", str(abl)]) == 0
+        report = json.loads((tmp_path / f"c{capture}" / "ablation.json").read_text())
+        results[capture] = {v: (r["runs"]["1"]["accuracy"], r["runs"]["1"]["ce"], r["runs"]["1"]["cos_sim"])
+                            for v, r in report["variants"].items() if v != "baseline"}
+    out = capsys.readouterr().out
+    captures = tmp_path / "cTrue" / "captures"
+    assert sorted(p.name for p in captures.iterdir()) == ["kv", "kv_untrained_seed0", "kv_untrained_seed1"]
+    assert out.count("capture: ") == 3  # made once each, before the runs; none for the baseline
+    for variant in ("kv", "kv_untrained"):
+        for seed in (0, 1):
+            saved = yaml.safe_load((tmp_path / "cTrue" / "runs" / variant / f"seed_{seed}" / "train_config.yaml").read_text())
+            assert saved["teacher_capture"].startswith(str(captures))
+    assert results[True].keys() == results[False].keys()
+    for variant, numbers in results[True].items():  # accuracy, final CE and cos-sim of seed 1
+        assert numbers == pytest.approx(results[False][variant], rel=1e-5), variant

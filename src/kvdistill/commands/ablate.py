@@ -16,6 +16,10 @@ Runs go to `out_dir/runs/<variant>/seed_<s>/` (the trainer's output_dir; its eva
 `eval/`). A run whose `eval/summary.json` exists is skipped, one whose `train_summary.json`
 exists is only evaluated, so an interrupted ablation resumes where it stopped.
 
+`capture: true` runs each variant's teachers once (`kvdistill capture` into
+`out_dir/captures/<variant>`) and trains every seed from that capture, so seeds do not recompute
+the teachers; the untrained control gets one capture per seed (its weights depend on the seed).
+
 The report compares each variant with the baseline twice: across seeds (paired t-test on
 the per-seed accuracies, paired by seed) and across items (per-item correctness pooled over
 the common seeds, paired by (seed, item): sign-flip permutation p-value and a bootstrap CI of
@@ -260,6 +264,8 @@ class AblationConfig:
     workers: int = option(1, "Runs trained at once, each in its own process (CPU: one per core).")
     threads: int = option(1, "torch threads per run (fixed, so the same command and seed give the same numbers; "
                           "recorded with every result).")
+    capture: bool = option(False, "Capture each variant's teachers once (`kvdistill capture`, in out_dir/captures) "
+                           "and train every seed from it; fp32 captures give the live runs' losses.")
     keep_going: bool = option(False, "Log a failed run and go on with the others.")
     report_only: bool = option(False, "Train nothing; rebuild the report from finished runs.")
     list_variants: bool = option(False, "Print the built-in variants and sets, and exit.")
@@ -365,7 +371,44 @@ def eval_settings_for(cfg: AblationConfig, train_cfg: Mapping[str, Any]) -> dict
 # how often and where a run writes, not what it learns: may change between a run and its resumption (a run
 # dir copied into another ablation's output_dir is reused there)
 BOOKKEEPING = frozenset({"output_dir", "save_strategy", "save_steps", "save_total_limit", "logging_steps",
-                         "disable_tqdm", "report_to"})
+                         "disable_tqdm", "report_to", "teacher_capture"})
+
+
+def capture_dir_for(cfg: AblationConfig, variant: Variant, train_cfg: Mapping[str, Any]) -> Path | None:
+    """Where `capture: true` stores a run's teachers: one capture per variant, shared by its seeds,
+    and per seed for the untrained control; None for a run without teachers or without a teacher signal."""
+    if not cfg.capture or not train_cfg.get("teachers"):
+        return None
+    from kvdistill.train.config import KVDistillConfig
+
+    weights = {k: train_cfg.get(k, KVDistillConfig.__dataclass_fields__[k].default)
+               for k in ("kv_weight", "logit_kd_weight", "codi_weight")}
+    if not any(w > 0 for w in weights.values()):
+        return None
+    untrained = train_cfg.get("teacher_control") == "untrained"
+    return Path(cfg.output_dir) / "captures" / (f"{variant.name}_seed{train_cfg['seed']}" if untrained else variant.name)
+
+
+def capture_teachers(todo: list[tuple[str, str, Any]], threads: int, log: Callable[[str], None]) -> None:
+    """Make (or finish) every capture the pending runs read, one after another in this process,
+    before any run starts: runs of one variant share a capture and must not write it at once."""
+    from kvdistill.commands.capture import run_capture
+    from kvdistill.train.config import parse_config as parse_train_config
+
+    made: set[str] = set()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _, rdir, _ in todo:
+            if (Path(rdir) / "train_summary.json").exists():  # trained: only its evaluation is left
+                continue
+            train_cfg = parse_train_config(["--config", str(Path(rdir) / "train_config.yaml")])
+            if train_cfg.teacher_capture and train_cfg.teacher_capture not in made:
+                log(f"capture: {train_cfg.teacher_capture}")
+                run_capture(train_cfg, log=lambda msg: log(f"    {msg}"))
+                made.add(train_cfg.teacher_capture)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _check_same_settings(rdir: Path, train_cfg: dict[str, Any]) -> None:
@@ -450,6 +493,9 @@ def run_ablation(
         rdir = run_dir(cfg, variant.name, seed)
         tag = f"[{k}/{len(jobs)}] {variant.name} seed {seed}"
         train_cfg = train_config_for(cfg, variant, seed)
+        capture = capture_dir_for(cfg, variant, train_cfg)
+        if capture is not None:
+            train_cfg["teacher_capture"] = str(capture)
         _check_same_settings(rdir, train_cfg)
         if (rdir / "eval" / "summary.json").exists():
             log(f"{tag}: finished, skipped")
@@ -458,6 +504,9 @@ def run_ablation(
         if not (rdir / "train_summary.json").exists():
             write_text_atomic(rdir / "train_config.yaml", yaml.safe_dump(train_cfg, sort_keys=False, allow_unicode=True))
         todo.append((tag, str(rdir), eval_settings_for(cfg, train_cfg)))
+
+    if cfg.capture:
+        capture_teachers(todo, cfg.threads, log)
 
     def done(tag: str, err: BaseException | None, tb: str = "") -> None:
         if err is None:
