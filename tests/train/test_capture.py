@@ -216,3 +216,18 @@ def test_capture_keep_other_methods_from_the_cli(base_args, tiny_world, tmp_path
     again = load_file(next((tmp_path / "capture" / "qwen2_teacher").glob("shard-*.safetensors")))
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert cli(["train", *argv]) == 0
+
+
+@pytest.mark.parametrize("student_input", ["no_rationale", "latent:2"])
+def test_privileged_runs_from_a_capture_equal_the_live_ones(base_args, tiny_world, tmp_path, student_input):
+    # the capture stores the teachers' whole rationale; training compresses it onto the student's slots (R-KV)
+    argv = _argv(base_args, tiny_world, tmp_path, student_input=student_input, logit_kd_weight=0, kv_loss="mercator")
+    capture_cmd.run_capture(parse_config(argv), log=lambda _: None)
+    kv_loss = {}
+    for name, extra in (("captured", []), ("live", ["--teacher_capture", "", "--output_dir", str(tmp_path / "live")])):
+        trainer = build_trainer(parse_config([*argv, *extra]))
+        assert all(is_captured(t) for t in trainer.teachers) == (name == "captured")
+        trainer.train()
+        kv_loss[name] = [h["kv_loss"] for h in trainer.state.log_history if "kv_loss" in h]
+    assert len(kv_loss["live"]) == 3 and min(kv_loss["live"]) > 0.1
+    torch.testing.assert_close(kv_loss["captured"], kv_loss["live"], rtol=1e-5, atol=1e-6)
