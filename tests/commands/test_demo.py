@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+import yaml
 
 from kvdistill.commands.demo import curve_points, plateau_step
 from kvdistill.commands.demo import main as demo_main
@@ -33,6 +34,14 @@ def test_demo_quick_end_to_end(tmp_path):
     assert {it["question"] for it in items} == q["transfer_questions"]
     for name, used in (("student_sft", 0), ("student_logit_kd", 32), ("student_kv", 32)):  # SFT: no teacher signal
         assert json.loads((out / "runs" / name / "train_summary.json").read_text())["transfer_records"] == used
+    # the distilling students read their teachers from a capture made once (logit KD: with logits)
+    for name in ("student_logit_kd", "student_kv"):
+        config = yaml.safe_load((out / "runs" / name / "kvdistill_config.yaml").read_text())
+        assert config["teacher_capture"] == str(out / "captures" / name)
+        manifests = [json.loads((out / "captures" / name / t / "manifest.json").read_text())
+                     for t in ("teacher_qwen2", "teacher_llama")]
+        assert all(m["complete"] for m in manifests) and manifests[0]["n_records"] == manifests[1]["n_records"] > 32
+        assert manifests[0]["settings"]["logits"] == (name == "student_logit_kd")  # logit KD: the same-vocab teacher
     # teacher_llama reads another tokenizer: time alignment is not the identity
     vocab = {n: json.loads((out / "init" / n / "config.json").read_text())["vocab_size"]
              for n in ("student", "teacher_llama")}

@@ -66,6 +66,7 @@ STUDENTS = {  # name -> (config in configs/demo/, extra flags)
     "student_logit_kd": ("student.yaml", ["--logit_kd_weight", "1.0"]),
     "student_kv": ("student_kv.yaml", []),
 }
+CAPTURED = ("student_logit_kd", "student_kv")  # the students with a teacher signal read it from a capture
 
 
 @dataclass(frozen=True)
@@ -304,11 +305,16 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     _log(f"[6/7] students at {budget} steps: SFT, logit KD, KV")
     teacher_list = "[" + ", ".join(f"{{path: {p}}}" for p in teachers.values()) + "]"
     runs = {name: out / "runs" / name for name in STUDENTS}
-    run_parallel({name: ["train", "--config", str(config_path(cfg_name)), *common, "--teachers", teacher_list,
-                         "--transfer_data", str(transfer / "items.jsonl"), "--transfer_field_map", TRANSFER_FIELDS,
-                         "--output_dir", str(runs[name]), "--max_steps", str(budget), *extra]
-                  for name, (cfg_name, extra) in STUDENTS.items() if not (runs[name] / "train_summary.json").exists()},
-                 workers, out / "logs")
+    jobs = {name: ["--config", str(config_path(cfg_name)), *common, "--teachers", teacher_list,
+                   "--transfer_data", str(transfer / "items.jsonl"), "--transfer_field_map", TRANSFER_FIELDS,
+                   "--output_dir", str(runs[name]), "--max_steps", str(budget), *extra]
+            for name, (cfg_name, extra) in STUDENTS.items() if not (runs[name] / "train_summary.json").exists()}
+    # each teacher runs once over the records (`kvdistill capture`), not in the first epochs of every student
+    for name in set(jobs) & set(CAPTURED):
+        jobs[name] += ["--teacher_capture", str(out / "captures" / name)]
+    run_parallel({f"capture_{name}": ["capture", *jobs[name]] for name in CAPTURED if name in jobs}, workers,
+                 out / "logs")
+    run_parallel({name: ["train", *argv] for name, argv in jobs.items()}, workers, out / "logs")
 
     _log(f"[7/7] test evaluation on {sizes.test} held-out problems")
     models = {**teachers, **runs}
