@@ -111,6 +111,10 @@ def test_collator_tokenizes_each_record_once_per_view(tiny_world, monkeypatch):
     assert len(calls) == 10
     first["input_ids"][0, 0] = -7  # batches are fresh tensors: the cached features are untouched
     assert collate(records)["input_ids"][0, 0] != -7
+    # bounded: past max_cached entries records are tokenized every time (a large dataset read once)
+    small = DistillCollator(tok, max_length=256, max_cached=3)
+    small(records), small(records)
+    assert len(small._features) == 3 and len(calls) == 10 + 4 + 1
 
 
 def test_load_records_formats_and_field_map(tmp_path):

@@ -395,8 +395,10 @@ class DistillCollator:
     transfer_batch_size: int = 0
     seed: int = 0
     # (view, record) -> tokenized features: a run sees each record in many epochs, and tokenizing it for
-    # the student and every teacher was ~12 % of a distillation step on the demo
+    # the student and every teacher was ~12 % of a distillation step on the demo. Bounded: a large
+    # dataset read once gains nothing from it, and would keep every tokenization in memory
     _features: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    max_cached: int = 20_000
 
     def _transfer_draw(self, records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         if not self.transfer or self.transfer_batch_size <= 0:
@@ -419,7 +421,7 @@ class DistillCollator:
                 key, f = None, None
             if f is None:
                 f = tokenize_example(tok, r, self.max_length, self.template, rationale_field, self.use_chat_template)
-                if key is not None:
+                if key is not None and len(self._features) < self.max_cached:
                     self._features[key] = f
             feats.append(f)
         return pad_batch(feats, tok.pad_token_id if tok.pad_token_id is not None else 0)
