@@ -379,11 +379,10 @@ def capture_dir_for(cfg: AblationConfig, variant: Variant, train_cfg: Mapping[st
     and per seed for the untrained control; None for a run without teachers or without a teacher signal."""
     if not cfg.capture or not train_cfg.get("teachers"):
         return None
-    from kvdistill.train.config import KVDistillConfig
+    from kvdistill.train.config import TEACHER_SIGNALS, KVDistillConfig
 
-    weights = {k: train_cfg.get(k, KVDistillConfig.__dataclass_fields__[k].default)
-               for k in ("kv_weight", "logit_kd_weight", "codi_weight")}
-    if not any(w > 0 for w in weights.values()):
+    # `KVDistillConfig.teacher_signal` on the unparsed YAML (class attributes hold the defaults)
+    if not any(float(train_cfg.get(k, getattr(KVDistillConfig, k))) > 0 for k in TEACHER_SIGNALS):
         return None
     untrained = train_cfg.get("teacher_control") == "untrained"
     return Path(cfg.output_dir) / "captures" / (f"{variant.name}_seed{train_cfg['seed']}" if untrained else variant.name)

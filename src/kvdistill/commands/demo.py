@@ -310,10 +310,10 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
                    "--output_dir", str(runs[name]), "--max_steps", str(budget), *extra]
             for name, (cfg_name, extra) in STUDENTS.items() if not (runs[name] / "train_summary.json").exists()}
     # each teacher runs once over the records (`kvdistill capture`), not in the first epochs of every student
-    for name in set(jobs) & set(CAPTURED):
+    captured = [name for name in CAPTURED if name in jobs]
+    for name in captured:
         jobs[name] += ["--teacher_capture", str(out / "captures" / name)]
-    run_parallel({f"capture_{name}": ["capture", *jobs[name]] for name in CAPTURED if name in jobs}, workers,
-                 out / "logs")
+    run_parallel({f"capture_{name}": ["capture", *jobs[name]] for name in captured}, workers, out / "logs")
     run_parallel({name: ["train", *argv] for name, argv in jobs.items()}, workers, out / "logs")
 
     _log(f"[7/7] test evaluation on {sizes.test} held-out problems")

@@ -362,8 +362,7 @@ def aligner_rows(cfg: KVDistillConfig, specs: list[TeacherConfig], comps: list[C
 
 def dry_run(cfg: KVDistillConfig, planned: dict[str, Any]) -> dict[str, Any]:
     """Build every model and aligner on the meta device; the JSON-able report (`_modules` holds the modules)."""
-    use_teachers = cfg.kv_weight > 0 or cfg.codi_weight > 0 or cfg.logit_kd_weight > 0  # as `load_run`
-    specs = cfg.teacher_configs if use_teachers else []
+    specs = cfg.teacher_configs if cfg.teacher_signal else []  # as `load_run`
     comps = build_components(cfg, specs)
     B = cfg.per_device_train_batch_size + (cfg.transfer_batch_size if cfg.transfer_data and specs else 0)
     T = cfg.max_length

@@ -181,8 +181,7 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
         r["index"] = i  # row id, for per-sample teacher weights
     tokenizer = load_tokenizer(cfg.student)
     student = load_model(cfg.student, dtype=cfg.student_dtype)
-    use_teachers = bool(cfg.teacher_configs) and (cfg.kv_weight > 0 or cfg.codi_weight > 0 or cfg.logit_kd_weight > 0)
-    specs = cfg.teacher_configs if use_teachers else []
+    specs = cfg.teacher_configs if cfg.teacher_signal else []
     teachers = [load_teacher(s, tokenizer, untrained=cfg.teacher_control == "untrained", seed=cfg.seed,
                              weights=teacher_weights) for s in specs]
     # before the latent slot token joins the student's tokenizer (teachers never read it)

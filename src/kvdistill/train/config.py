@@ -40,6 +40,10 @@ Options come from one YAML file (--config) plus command-line flags, which win. T
 options are listed first; every transformers TrainingArguments option follows and keeps its name."""
 
 
+# the loss weights that read teachers: a run with all of them 0 loads none
+TEACHER_SIGNALS = ("kv_weight", "codi_weight", "logit_kd_weight")
+
+
 @dataclass
 class TeacherConfig:
     """One teacher (an entry of `teachers:`). Unset projector fields inherit the run-wide ones."""
@@ -244,7 +248,7 @@ class KVDistillConfig(TrainingArguments):
                 "ce_weight=0 trains on the KV loss alone, which can collapse to a high cos-sim that teaches "
                 "nothing; set allow_kv_only: true if you mean it"
             )
-        if (self.kv_weight > 0 or self.codi_weight > 0 or self.logit_kd_weight > 0) and not self.teacher_configs:
+        if self.teacher_signal and not self.teacher_configs:
             raise ConfigError("kv_weight/codi_weight/logit_kd_weight > 0 need at least one teacher in `teachers` "
                               "(for SFT only, set kv_weight: 0)")
         if (self.activation_checkpointing or self.gradient_checkpointing) and self.kv_weight > 0:
@@ -344,6 +348,11 @@ class KVDistillConfig(TrainingArguments):
                     f"layer map {t.layer_map} is for a {side} with {doc[f'{side}_layers']} layers, but {path} has "
                     f"{layers}; re-run `kvdistill layer-map` for this model pair"
                 )
+
+    @property
+    def teacher_signal(self) -> bool:
+        """A teacher signal is on (a weight of `TEACHER_SIGNALS` > 0): the run reads its teachers."""
+        return any(getattr(self, k) > 0 for k in TEACHER_SIGNALS)
 
     def teacher_outputs(self, shares_student_tokens: bool) -> tuple[str, bool, bool]:
         """What training reads from a teacher: `(key_space, hidden states?, logits?)`. Hidden states for
