@@ -25,7 +25,6 @@ assets this writes.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -35,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -99,14 +99,12 @@ class DemoConfig:
     quick: bool = option(False, "~2-minute smoke version (tiny data and steps, no quality gate).")
     seed: int = option(0, "Seed of data, inits and training.")
     workers: int = option(2, "Trainings run at once, one process each (one per CPU core).")
-    threads: int = option(1, "torch threads of the demo's own process (evaluation, the SFT curve); every "
-                          "training subprocess uses one. Fixed, so a rerun gives the same numbers.")
     gate: float | None = option(None, "Teachers' minimum dev accuracy (default 0.90; quick: none).")
     fresh: bool = option(False, "Delete the output directory first.")
 
     def __post_init__(self) -> None:
-        if self.workers < 1 or self.threads < 1:
-            raise ConfigError("workers and threads must be >= 1")
+        if self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.gate is not None and not 0 <= self.gate <= 1:
             raise ConfigError(f"gate {self.gate} is not an accuracy; set --gate between 0 and 1 (default 0.90)")
 
@@ -122,36 +120,45 @@ def config_path(name: str) -> Path:
     return path
 
 
-def _run(command: str, *argv: str) -> None:
-    """Run one public command in-process, exactly as `kvdistill COMMAND ...` would."""
-    print(f"$ kvdistill {command} " + " ".join(argv), flush=True)
-    rc = importlib.import_module(f"kvdistill.commands.{command.replace('-', '_')}").main(list(argv))
-    if rc != 0:
-        raise SystemExit(f"kvdistill {command} failed with exit code {rc}")
+def run_parallel(jobs: dict[str, list[list[str]]], workers: int, logs: Path) -> None:
+    """Run jobs `{name: [argv, ...]}` of `kvdistill ...` commands, `workers` jobs at a time.
 
-
-def run_parallel(jobs: dict[str, list[str]], workers: int, logs: Path) -> None:
-    """Run `kvdistill ...` commands `{name: argv}` as subprocesses, `workers` at a time, one torch
-    thread each (so a run's numbers do not depend on how many run beside it); output in `logs/`."""
+    A job's commands run one after another (a training, then its evaluation), each a subprocess
+    with one torch thread (so a run's numbers do not depend on how many run beside it); a job's
+    output goes to `logs/<name>.log`. Jobs start in the order given: list the longest first.
+    """
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    pending, running = list(jobs.items()), {}
+    pending = [(name, list(commands)) for name, commands in jobs.items() if commands]
+    running: dict[str, tuple[subprocess.Popen, Any, list[list[str]]]] = {}
+
+    def start(name: str, commands: list[list[str]], fh: Any) -> None:
+        argv = commands.pop(0)
+        print(f"$ kvdistill {' '.join(argv)}   (log: {logs / name}.log)", flush=True)
+        proc = subprocess.Popen([sys.executable, "-m", "kvdistill.cli", *argv], stdout=fh, stderr=subprocess.STDOUT,
+                                env=env)
+        running[name] = (proc, fh, commands)
+
     while pending or running:
         while pending and len(running) < workers:
-            name, argv = pending.pop(0)
-            print(f"$ kvdistill {' '.join(argv)}   (log: {logs / name}.log)", flush=True)
-            fh = (logs / f"{name}.log").open("w")
-            running[name] = (subprocess.Popen([sys.executable, "-m", "kvdistill.cli", *argv], stdout=fh,
-                                              stderr=subprocess.STDOUT, env=env), fh)
+            name, commands = pending.pop(0)
+            start(name, commands, (logs / f"{name}.log").open("w"))
         time.sleep(0.5)
-        for name, (proc, fh) in list(running.items()):
-            if proc.poll() is not None:
+        for name, (proc, fh, rest) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[name]
+            if proc.returncode:
+                for other, other_fh, _ in running.values():  # nothing keeps running behind the error
+                    other.kill()
+                    other_fh.close()
                 fh.close()
-                del running[name]
-                if proc.returncode:
-                    tail = (logs / f"{name}.log").read_text().splitlines()[-15:]
-                    raise SystemExit(f"{name} failed (exit {proc.returncode}); last lines of its log:\n"
-                                     + "\n".join(tail))
+                tail = (logs / f"{name}.log").read_text().splitlines()[-15:]
+                raise SystemExit(f"{name} failed (exit {proc.returncode}); last lines of its log:\n" + "\n".join(tail))
+            if rest:
+                start(name, rest, fh)
+            else:
+                fh.close()
                 print(f"    {name}: done", flush=True)
 
 
@@ -187,6 +194,11 @@ def build_models(out: Path, data: Path, seed: int = 0) -> dict[str, Path]:
         torch.manual_seed(seed + i)
         save_random_model(cfg, toks[tok], paths[name])
     return paths
+
+
+def _done(path: Path) -> bool:
+    """A finished training (`train_summary.json`) or evaluation (`summary.json`) output directory."""
+    return (path / "train_summary.json").exists() or (path / "summary.json").exists()
 
 
 def _eval_argv(model: Path, data: Path, split: str, limit: int, out: Path) -> list[str]:
@@ -263,34 +275,38 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
 
     teachers = {name: out / "teachers" / name for name in TEACHERS}
     _log(f"[3/7] teachers on the pool ({sizes.teacher_steps} steps each), quality gate {gate:.2f} on dev")
-    run_parallel({name: ["train", "--config", str(config_path("teacher.yaml")), "--student", str(init[name]),
-                         "--data", str(data), "--data_split", "teacher_pool", "--output_dir", str(path),
-                         "--max_steps", str(sizes.teacher_steps), "--seed", str(seed)]
-                  for name, path in teachers.items() if not (path / "train_summary.json").exists()},
-                 workers, out / "logs")
-    for name, path in teachers.items():
-        ev = out / "eval_dev" / name
-        if not (ev / "summary.json").exists():
-            _run(*_eval_argv(path, data, "dev", sizes.dev, ev))
-        acc = read_json(ev / "summary.json", {})["accuracy"]
+    jobs = {name: [["train", "--config", str(config_path("teacher.yaml")), "--student", str(init[name]),
+                    "--data", str(data), "--data_split", "teacher_pool", "--output_dir", str(path),
+                    "--max_steps", str(sizes.teacher_steps), "--seed", str(seed)]]
+            for name, path in teachers.items() if not _done(path)}
+    for name, path in teachers.items():  # each teacher's dev accuracy right after its training
+        if not _done(out / "eval_dev" / name):
+            jobs.setdefault(name, []).append(_eval_argv(path, data, "dev", sizes.dev, out / "eval_dev" / name))
+    run_parallel(jobs, workers, out / "logs")
+    for name in teachers:
+        acc = read_json(out / "eval_dev" / name / "summary.json", {})["accuracy"]
         if acc < gate:
             raise SystemExit(f"quality gate: teacher {name} reached {acc:.3f} on dev, {gate - acc:.3f} below the "
-                             f"{gate:.2f} gate; train it longer (delete {path} and raise its steps) or lower --gate")
+                             f"{gate:.2f} gate; train it longer (delete {teachers[name]} and raise its steps) or "
+                             "lower --gate")
         print(f"    {name}: dev accuracy {acc:.3f} (gate {gate:.2f})")
 
+    # the transfer set needs a teacher, the SFT curve does not: they run side by side
     _log(f"[4/7] transfer set: {TRANSFER_TEACHER} answers {sizes.transfer} pool questions the student has no "
          "labels for (teacher signals only, no LM loss)")
-    transfer = out / "transfer" / TRANSFER_TEACHER
-    if not (transfer / "summary.json").exists():
-        _run(*_eval_argv(teachers[TRANSFER_TEACHER], data, "transfer_questions", sizes.transfer, transfer))
-
     _log(f"[5/7] SFT learning curve of the student on its {sizes.labelled} labelled problems")
+    transfer = out / "transfer" / TRANSFER_TEACHER
     curve_run = out / "runs" / "sft_curve"
     common = ["--student", str(init["student"]), "--data", str(data), "--seed", str(seed)]
-    if not (curve_run / "train_summary.json").exists():
-        _run("train", "--config", str(config_path("student.yaml")), *common, "--output_dir", str(curve_run),
-             "--max_steps", str(sizes.curve_steps), "--accuracy_eval_steps", str(sizes.curve_every),
-             "--accuracy_eval_limit", str(sizes.curve_items))
+    jobs = {}
+    if not _done(curve_run):
+        jobs["sft_curve"] = [["train", "--config", str(config_path("student.yaml")), *common, "--output_dir",
+                              str(curve_run), "--max_steps", str(sizes.curve_steps), "--accuracy_eval_steps",
+                              str(sizes.curve_every), "--accuracy_eval_limit", str(sizes.curve_items)]]
+    if not _done(transfer):
+        jobs["transfer"] = [_eval_argv(teachers[TRANSFER_TEACHER], data, "transfer_questions", sizes.transfer,
+                                       transfer)]
+    run_parallel(jobs, workers, out / "logs")
     points = curve_points(curve_run / "metrics.jsonl")
     budget = plateau_step(points)
     best_step, best = max(points, key=lambda p: p[1])
@@ -303,27 +319,27 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     print(f"    budget: {budget} steps (dev {dict(points)[budget]:.3f}; best {best:.3f} at step {best_step})")
 
     _log(f"[6/7] students at {budget} steps: SFT, logit KD, KV")
+    _log(f"[7/7] test evaluation on {sizes.test} held-out problems, each model's as soon as it is trained")
     teacher_list = "[" + ", ".join(f"{{path: {p}}}" for p in teachers.values()) + "]"
     runs = {name: out / "runs" / name for name in STUDENTS}
-    jobs = {name: ["--config", str(config_path(cfg_name)), *common, "--teachers", teacher_list,
-                   "--transfer_data", str(transfer / "items.jsonl"), "--transfer_field_map", TRANSFER_FIELDS,
-                   "--output_dir", str(runs[name]), "--max_steps", str(budget), *extra]
-            for name, (cfg_name, extra) in STUDENTS.items() if not (runs[name] / "train_summary.json").exists()}
+    train = {name: ["--config", str(config_path(cfg_name)), *common, "--teachers", teacher_list,
+                    "--transfer_data", str(transfer / "items.jsonl"), "--transfer_field_map", TRANSFER_FIELDS,
+                    "--output_dir", str(runs[name]), "--max_steps", str(budget), *extra]
+             for name, (cfg_name, extra) in STUDENTS.items() if not _done(runs[name])}
     # each teacher runs once over the records (`kvdistill capture`), not in the first epochs of every student
-    captured = [name for name in CAPTURED if name in jobs]
+    captured = [name for name in CAPTURED if name in train]
     for name in captured:
-        jobs[name] += ["--teacher_capture", str(out / "captures" / name)]
-    run_parallel({f"capture_{name}": ["capture", *jobs[name]] for name in captured}, workers, out / "logs")
-    run_parallel({name: ["train", *argv] for name, argv in jobs.items()}, workers, out / "logs")
-
-    _log(f"[7/7] test evaluation on {sizes.test} held-out problems")
+        train[name] += ["--teacher_capture", str(out / "captures" / name)]
+    run_parallel({f"capture_{name}": [["capture", *train[name]]] for name in captured}, workers, out / "logs")
     models = {**teachers, **runs}
+    tests = {name: [] if _done(out / "eval" / name) else [_eval_argv(path, data, "test", sizes.test, out / "eval" / name)]
+             for name, path in models.items()}
+    # the longest jobs first (STUDENTS lists the cheapest first); the teachers' evaluations fill the gaps
+    jobs = {name: ([["train", *train[name]]] if name in train else []) + tests[name] for name in reversed(STUDENTS)}
+    run_parallel({**jobs, **{f"eval_{name}": tests[name] for name in teachers}}, workers, out / "logs")
     rows = []
     for name, path in models.items():
-        ev = out / "eval" / name
-        if not (ev / "summary.json").exists():
-            _run(*_eval_argv(path, data, "test", sizes.test, ev))
-        s = read_json(ev / "summary.json", {})
+        s = read_json(out / "eval" / name / "summary.json", {})
         final = read_json(path / "train_summary.json", {}).get("final", {})
         agree = (f"cos {final['cos_sim']:.3f}" if final.get("cos_sim") is not None else
                  f"relation KL {final['relation_kl']:.4f}" if final.get("relation_kl") is not None else None)
@@ -348,6 +364,5 @@ def main(argv: list[str]) -> int:
     if cfg.fresh and out.is_dir():
         shutil.rmtree(out)
     check_output_dir(out)
-    torch.set_num_threads(cfg.threads)  # oversubscribed cores slow torch down many times over
     run_demo(out, quick=cfg.quick, seed=cfg.seed, workers=cfg.workers, gate=cfg.gate)
     return 0
