@@ -18,7 +18,10 @@
 7. test evaluation -> `report.md`
 
 Every step is a public command with a config from `configs/demo/`, exactly what a GPU user runs
-with real model names. Finished steps are skipped on a second run (teachers are cached).
+with real model names, in a subprocess with one torch thread; `--workers` of them run at once
+where nothing orders them (the two teachers, then the transfer set beside the SFT curve, then the
+students, the KV one first, each evaluated as soon as it is trained, beside the teachers' test
+evaluations). Finished steps are skipped on a second run (teachers are cached).
 `kvdistill ablate --config configs/demo/evidence.yaml` runs the full evidence ablation on the
 assets this writes.
 """
