@@ -6,7 +6,7 @@ import re
 import pytest
 import yaml
 
-from kvdistill.commands.demo import curve_points, plateau_step
+from kvdistill.commands.demo import curve_points, plateau_step, run_parallel
 from kvdistill.commands.demo import main as demo_main
 
 
@@ -14,6 +14,22 @@ def test_plateau_step_is_the_first_point_near_the_best():
     points = [(100, 0.1), (200, 0.5), (300, 0.78), (400, 0.8), (500, 0.79)]
     assert plateau_step(points) == 300  # 0.78 >= 0.95 * 0.8
     assert plateau_step(points, share=1.0) == 400
+
+
+def test_run_parallel_chains_a_jobs_commands_and_stops_at_a_failure(tmp_path):
+    logs = tmp_path / "logs"
+
+    def gen(name: str) -> list[str]:
+        return ["gen-data", "--output_dir", str(tmp_path / name), "--n_train", "4", "--n_test", "2"]
+
+    run_parallel({"a": [gen("a1"), ["gen-data", "--help"]], "b": [gen("b1")], "empty": []}, 2, logs)
+    assert (tmp_path / "a1" / "train.jsonl").exists() and (tmp_path / "b1" / "train.jsonl").exists()
+    assert "usage: kvdistill gen-data" in (logs / "a.log").read_text()  # the job's second command, same log
+    assert not (logs / "empty.log").exists()
+    # a failing command ends its job (the next command never runs) and the whole call, naming the job
+    with pytest.raises(SystemExit, match=r"(?s)c failed \(exit 2\).*unknown option --no_such_option"):
+        run_parallel({"c": [["gen-data", "--no_such_option", "1"], gen("c2")]}, 1, logs)
+    assert not (tmp_path / "c2").exists()
 
 
 @pytest.mark.slow
