@@ -44,7 +44,7 @@ DEMO = [
     pytest.param(lambda c: ["demo", "--gate", "2", "--output_dir", c.out], ("gate 2.0 is not an accuracy",
                                                                            "between 0 and 1"),
                  id="demo_gate_above_1", marks=SUBPROCESS),
-    pytest.param(lambda c: ["demo", "--workers", "0", "--output_dir", c.out], ("workers and threads must be >= 1",),
+    pytest.param(lambda c: ["demo", "--workers", "0", "--output_dir", c.out], ("workers must be >= 1, got 0",),
                  id="demo_workers_0"),
     pytest.param(lambda c: ["demo", "--quick", "--output_dir", c.file("out", "a file")],
                  ("output_dir", "is a file, not a directory"), id="demo_output_dir_is_a_file"),
