@@ -15,6 +15,7 @@ import importlib
 import sys
 
 from kvdistill import __version__
+from kvdistill.malloc import keep_freed_memory
 
 # name -> (module with `main(argv)`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # handles --help / --version / unknown commands
         parser.print_help()
         return 2
+    keep_freed_memory()  # before any tensor: training steps reuse freed memory instead of faulting it in again
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:
         return int(module.main(argv[1:]) or 0)

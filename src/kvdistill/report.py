@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvdistill.malloc import allocator
+
 MISSING = "–"
 
 
@@ -38,6 +40,7 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
+        "allocator": allocator(),  # kvdistill.malloc: changes CPU timings, not results
         "cpu_count": os.cpu_count(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),

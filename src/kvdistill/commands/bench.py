@@ -258,7 +258,7 @@ def render_section(record: dict[str, Any]) -> str:
     out.append(
         f"\n<sub>`bench_{name}.py` · quick={record.get('quick')} · {record.get('wall_s')} s · "
         f"torch {m.get('torch')} · {m.get('torch_threads')} threads / {m.get('cpu_count')} CPUs{load} · "
-        f"{m.get('processor')} · {m.get('date')}</sub>\n"
+        f"allocator {m.get('allocator')} · {m.get('processor')} · {m.get('date')}</sub>\n"
     )
     return "\n".join(out)
 
