@@ -48,6 +48,7 @@ from kvdistill.commands.eval import EvalConfig
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config, read_yaml, to_plain
 from kvdistill.evaluate.stats import mean_std, paired_bootstrap, paired_permutation_test, paired_ttest
 from kvdistill.io import read_json, read_jsonl, write_json_atomic, write_text_atomic
+from kvdistill.malloc import keep_freed_memory
 from kvdistill.report import fmt_mean_std, fmt_num, fmt_p, fmt_signed, format_environment
 
 # ----------------------------------------------------------------------------- variants
@@ -443,6 +444,8 @@ EvalFn = Callable[[str, str, Mapping[str, Any]], Any]
 
 
 def _init_worker(threads: int) -> None:
+    """A spawned worker is a fresh interpreter: give it what `kvdistill` gives every process."""
+    keep_freed_memory()
     torch.set_num_threads(threads)
 
 
