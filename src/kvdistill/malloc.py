@@ -10,8 +10,8 @@ the gather of a whole teacher cache 4.5x slower (`benchmarks/results`).
 `keep_freed_memory()` raises both thresholds (`M_MMAP_THRESHOLD`, `M_TRIM_THRESHOLD`) to
 `KEEP_BYTES`: blocks up to that size come from the heap and freed memory stays there for the next
 step, the way PyTorch's CUDA caching allocator keeps GPU memory. The cost: the process's resident
-memory stays at its peak instead of shrinking between steps. The CLI calls it once at start;
-`KVDISTILL_KEEP_FREED_MEMORY=0` leaves glibc's defaults. Outside glibc (macOS, musl) it does nothing.
+memory stays at its peak instead of shrinking between steps. The CLI calls it once at start, and
+`ablate` in each worker it spawns; `KVDISTILL_KEEP_FREED_MEMORY=0` leaves glibc's defaults. Outside glibc (macOS, musl) it does nothing.
 """
 
 from __future__ import annotations
