@@ -366,8 +366,9 @@ def test_parallel_workers_give_the_same_numbers_as_one_process(tiny_world, tmp_p
 
 
 def test_capture_trains_every_seed_from_one_capture_per_variant(tiny_world, tmp_path, capsys):
-    """`capture: true`: the teachers run once per variant (per seed for the untrained control); the runs
-    read them from the capture and give the live runs' numbers."""
+    """`capture: true`: the teachers run once per variant (per seed for the untrained control), once in
+    all for variants that read them alike (the shuffled control links to the signal's capture); the
+    runs read them from the capture and give the live runs' numbers."""
     m = tiny_world.models
     _write_yaml(tmp_path / "train.yaml", {
         "student": str(m["student"]), "teachers": [{"path": str(m["qwen2_teacher"])}], "data": str(tiny_world.data_dir),
@@ -376,7 +377,8 @@ def test_capture_trains_every_seed_from_one_capture_per_variant(tiny_world, tmp_
         "save_strategy": "no", "use_cpu": True, "disable_tqdm": True, "report_to": "none",
     })
     results = {}
-    for capture, seeds, variants in ((True, [0, 1], ["kv", "kv_untrained", "baseline"]), (False, [1], ["kv"])):
+    for capture, seeds, variants in ((True, [0, 1], ["kv", "kv_shuffled", "kv_untrained", "baseline"]),
+                                     (False, [1], ["kv"])):
         abl = _write_yaml(tmp_path / f"c{capture}.yaml", {
             "base_config": "train.yaml", "output_dir": str(tmp_path / f"c{capture}"), "seeds": seeds,
             "variants": variants, "eval": {"limit": 6, "batch_size": 6, "max_new_tokens": 8},
@@ -387,9 +389,13 @@ def test_capture_trains_every_seed_from_one_capture_per_variant(tiny_world, tmp_
         results[capture] = (run["accuracy"], run["ce"], run["cos_sim"])
     out = capsys.readouterr().out
     captures = tmp_path / "cTrue" / "captures"
-    assert sorted(p.name for p in captures.iterdir()) == ["kv", "kv_untrained_seed0", "kv_untrained_seed1"]
-    assert out.count("capture: ") == 3  # made once each, before the runs; none for the baseline
-    for variant in ("kv", "kv_untrained"):
+    assert sorted(p.name for p in captures.iterdir()) == ["kv", "kv_shuffled", "kv_untrained_seed0",
+                                                          "kv_untrained_seed1"]
+    assert out.count("capture: ") == 4  # once each, before the runs; none for the baseline
+    assert out.count(": linked") == 1 and (captures / "kv_shuffled").is_symlink()
+    assert (captures / "kv_shuffled").resolve() == (captures / "kv").resolve()
+    assert not any(p.is_symlink() for p in captures.iterdir() if p.name != "kv_shuffled")  # seeds differ
+    for variant in ("kv", "kv_shuffled", "kv_untrained"):
         for seed in (0, 1):
             saved = yaml.safe_load((tmp_path / "cTrue" / "runs" / variant / f"seed_{seed}" / "train_config.yaml").read_text())
             assert saved["teacher_capture"].startswith(str(captures))

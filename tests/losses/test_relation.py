@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING
-from kvdistill.losses import KVLoss, RelationKVLoss, aligned_kv_loss, build_kv_loss
+from kvdistill.losses import KVLoss, RelationKVLoss, aligned_kv_loss, build_kv_loss, relation
 from kvdistill.losses.kv import token_weights
-from kvdistill.losses.relation import _FILL, _RowKL
+from kvdistill.losses.relation import _FILL, _row_kl_terms, _RowKL, fused_row_kl_terms
 
 SEG_W = {PROMPT: 0.0, REASONING: 2.0, ANSWER: 0.5}
 
@@ -63,11 +63,12 @@ def test_identical_is_zero_with_padding_and_masked_segment():
     assert RelationKVLoss(relation_heads=2)(s, other, mask, seg)[0].item() > 1e-3  # the test can fail
 
 
+@pytest.mark.parametrize("compile", [True, False])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_matches_slow_reference(reduction):
+def test_matches_slow_reference(reduction, compile):
     s, t, mask, seg = _batch()
     mask[0, 2] = 0.5  # a fractional weight: row weight and key validity
-    fn = RelationKVLoss(relation_heads=2, temperature=0.7, reduction=reduction, segment_weights=SEG_W)
+    fn = RelationKVLoss(relation_heads=2, temperature=0.7, reduction=reduction, segment_weights=SEG_W, compile=compile)
     loss, metrics = fn(s, t, mask, seg)
     ref = _reference(s, t, mask, seg, R=2, tau=0.7, seg_w=SEG_W, reduction=reduction)
     assert loss.item() == pytest.approx(ref, rel=1e-5)
@@ -238,7 +239,7 @@ def test_row_kl_hand_written_backward_passes_gradcheck():
     bias[2] = _FILL  # no key at all
 
     def fn(rows, keys):
-        return _RowKL.apply(rows, keys, t_rows, t_keys, bias)
+        return _RowKL.apply(rows, keys, t_rows, t_keys, bias, None)
 
     assert torch.autograd.gradcheck(fn, (s_rows.requires_grad_(True), s_keys.requires_grad_(True)))
     s_keys.grad = None
@@ -261,11 +262,12 @@ def _autograd_loss(s, t, mask, seg, R, tau=1.0, seg_w=None, reduction="mean"):
     return total if reduction == "sum" else total / w.sum()
 
 
-@pytest.mark.parametrize("chunk_size", [None, 4])
-def test_gradient_matches_plain_autograd(chunk_size):
+@pytest.mark.parametrize(("chunk_size", "compile"), [(None, True), (4, True), (None, False)])
+def test_gradient_matches_plain_autograd(chunk_size, compile):
     s, t, mask, seg = _batch(T=10, Fs=8, Ft=12)
     seg = torch.where(mask > 0, torch.randint(0, 3, (2, 10)), PAD)
-    fn = RelationKVLoss(relation_heads=2, temperature=0.7, segment_weights=SEG_W, chunk_size=chunk_size)
+    fn = RelationKVLoss(relation_heads=2, temperature=0.7, segment_weights=SEG_W, chunk_size=chunk_size,
+                        compile=compile)
     s1, s2 = s.clone().requires_grad_(True), s.double().requires_grad_(True)
     loss = fn(s1, t, mask, seg)[0]
     ref = _autograd_loss(s2, t, mask, seg, R=2, tau=0.7, seg_w=SEG_W)
@@ -283,3 +285,41 @@ def test_backward_twice_with_retain_graph():
     first = s.grad.clone()
     loss.backward()
     torch.testing.assert_close(s.grad, 2 * first)
+
+
+def test_compiled_row_terms_equal_the_eager_ops():
+    """The fused (compiled) row terms give the eager KL and Q - P, masked keys and a keyless row included."""
+    fused = fused_row_kl_terms("cpu")
+    if fused is None:
+        pytest.skip("torch.compile cannot build on this machine (the eager path is tested above)")
+    N, C, T = 5, 7, 9
+    z_t, z_s = torch.randn(N, C, T) * 3, torch.randn(N, C, T) * 3
+    z_t[0, :, -3:] += _FILL  # masked keys, as the bias makes them
+    z_s[0, :, -3:] += _FILL
+    z_t[2], z_s[2] = _FILL, _FILL  # a row block without any key: uniform on both sides, KL 0
+    kl, dq = fused(z_t, z_s)
+    ref_kl, ref_dq = _row_kl_terms(z_t, z_s)
+    torch.testing.assert_close(kl, ref_kl, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dq, ref_dq, rtol=1e-5, atol=1e-6)
+    assert dq[0, :, -3:].abs().max() == 0 and kl[2].abs().max() < 1e-6
+    p, q = z_t.softmax(-1), z_s.softmax(-1)  # the definition, on a row with all keys
+    assert kl[1, 0].item() == pytest.approx((p[1, 0] * (p[1, 0].log() - q[1, 0].log())).sum().item(), rel=1e-5)
+
+
+def test_compile_failure_falls_back_to_the_eager_ops(monkeypatch, caplog):
+    def broken(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    fused_row_kl_terms.cache_clear()
+    monkeypatch.setattr(relation.torch, "compile", broken)
+    try:
+        with caplog.at_level("WARNING"):
+            assert fused_row_kl_terms("cpu") is None
+        assert "torch.compile is unavailable on cpu (RuntimeError: no C++ compiler)" in caplog.text
+        s, t, mask, seg = _batch()
+        loss, _ = RelationKVLoss(relation_heads=2)(s, t, mask, seg)  # still computed, by the eager ops
+        assert loss.item() == pytest.approx(_reference(s, t, mask, seg, R=2), rel=1e-5)
+    finally:
+        fused_row_kl_terms.cache_clear()

@@ -18,7 +18,9 @@ exists is only evaluated, so an interrupted ablation resumes where it stopped.
 
 `capture: true` runs each variant's teachers once (`kvdistill capture` into
 `out_dir/captures/<variant>`) and trains every seed from that capture, so seeds do not recompute
-the teachers; the untrained control gets one capture per seed (its weights depend on the seed).
+the teachers; the untrained control gets one capture per seed (its weights depend on the seed). A
+capture equal to an earlier one (same teachers, records and settings, e.g. a signal's shuffled
+control) is a link to it.
 
 The report compares each variant with the baseline twice: across seeds (paired t-test on
 the per-seed accuracies, paired by seed) and across items (per-item correctness pooled over
@@ -391,11 +393,13 @@ def capture_dir_for(cfg: AblationConfig, variant: Variant, train_cfg: Mapping[st
 
 def capture_teachers(todo: list[tuple[str, str, Any]], threads: int, log: Callable[[str], None]) -> None:
     """Make (or finish) every capture the pending runs read, one after another in this process,
-    before any run starts: runs of one variant share a capture and must not write it at once."""
+    before any run starts: runs of one variant share a capture and must not write it at once. A
+    capture equal to an earlier one (same teachers, records and settings: a signal and its shuffled
+    control, say) is linked to it, not computed and stored again."""
     from kvdistill.commands.capture import run_capture
     from kvdistill.train.config import parse_config as parse_train_config
 
-    made: set[str] = set()
+    made: dict[str, dict] = {}  # capture dir -> its settings
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -405,8 +409,7 @@ def capture_teachers(todo: list[tuple[str, str, Any]], threads: int, log: Callab
             train_cfg = parse_train_config(["--config", str(Path(rdir) / "train_config.yaml")])
             if train_cfg.teacher_capture and train_cfg.teacher_capture not in made:
                 log(f"capture: {train_cfg.teacher_capture}")
-                run_capture(train_cfg, log=lambda msg: log(f"    {msg}"))
-                made.add(train_cfg.teacher_capture)
+                run_capture(train_cfg, log=lambda msg: log(f"    {msg}"), made=made)
     finally:
         torch.set_num_threads(before)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -36,11 +37,16 @@ logger = logging.getLogger(__name__)
 SHARD_RECORDS = 1024  # records per shard: a killed capture loses at most this many
 
 
-def run_capture(cfg: KVDistillConfig, log=print) -> Path:
+def run_capture(cfg: KVDistillConfig, log=print, made: dict[str, dict] | None = None) -> Path:
     """Capture every teacher of `cfg` into `cfg.teacher_capture`; returns that directory.
 
     One pass over the records: each batch is collated once and every teacher runs on it; every
     `SHARD_RECORDS` records each teacher's entries go to its next shard.
+
+    `made` (`{capture dir: its settings}`, filled in here) lets a caller making several captures
+    share them: a new capture whose settings equal an earlier one's becomes a link to it, so
+    variants that read the same teachers the same way (a signal and its shuffled control) store
+    and compute them once.
     """
     if not cfg.teacher_capture:
         raise ConfigError("set --teacher_capture DIR: where the capture is written")
@@ -52,6 +58,14 @@ def run_capture(cfg: KVDistillConfig, log=print) -> Path:
     root = Path(cfg.teacher_capture)
     teachers = TeacherSet(run.teachers, cfg.device, offload=cfg.teacher_offload, cache=True)
     settings = capture_settings(cfg, run)
+    same = next((d for d, st in (made or {}).items() if st == settings and Path(d) != root), None)
+    if made is not None:
+        made[str(root)] = settings
+    if same is not None and not root.is_symlink() and not any(root.iterdir()):  # nothing captured here yet
+        root.rmdir()  # made by check_output_dir
+        root.symlink_to(os.path.relpath(same, root.parent), target_is_directory=True)
+        log(f"same teachers, records and settings as {same}: linked")
+        return root
     writers = {t.name: CaptureWriter(root / t.name, settings[t.name]) for t in run.teachers}
     keys = {t.name: cache_key(cfg, t) for t in run.teachers}
     n = len(run.records) + len(run.transfer)

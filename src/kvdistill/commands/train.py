@@ -62,7 +62,8 @@ def _kv_loss(cfg: KVDistillConfig):
     segment_weights = _segment_weights(cfg)
     if cfg.kv_loss == "relation":
         return RelationKVLoss(relation_heads=cfg.relation_heads, temperature=cfg.relation_temperature,
-                              reduction="sum", segment_weights=segment_weights, chunk_size=cfg.relation_chunk_size)
+                              reduction="sum", segment_weights=segment_weights, chunk_size=cfg.relation_chunk_size,
+                              compile=cfg.relation_compile)
     kwargs = {"reduction": "sum", "normalize_target": cfg.normalize_target}
     if cfg.kv_loss in ("mercator", "hybrid"):
         kwargs.update(alpha=cfg.mercator_alpha, beta=cfg.mercator_beta)
