@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command: set up and run the embedded default (CPU, offline; about 9 min on 2 cores after setup).
+# One command: set up and run the embedded default (CPU, offline; about 8 min on 2 cores after setup).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
