@@ -56,7 +56,6 @@ def run_capture(cfg: KVDistillConfig, log=print, made: dict[str, dict] | None = 
         raise ConfigError("nothing to capture: the config has no teachers, or no teacher signal "
                           "(kv_weight, logit_kd_weight, codi_weight all 0)")
     root = Path(cfg.teacher_capture)
-    teachers = TeacherSet(run.teachers, cfg.device, offload=cfg.teacher_offload, cache=True)
     settings = capture_settings(cfg, run)
     same = next((d for d, st in (made or {}).items() if st == settings and Path(d) != root), None)
     if made is not None:
@@ -66,6 +65,7 @@ def run_capture(cfg: KVDistillConfig, log=print, made: dict[str, dict] | None = 
         root.symlink_to(os.path.relpath(same, root.parent), target_is_directory=True)
         log(f"same teachers, records and settings as {same}: linked")
         return root
+    teachers = TeacherSet(run.teachers, cfg.device, offload=cfg.teacher_offload, cache=True)
     writers = {t.name: CaptureWriter(root / t.name, settings[t.name]) for t in run.teachers}
     keys = {t.name: cache_key(cfg, t) for t in run.teachers}
     n = len(run.records) + len(run.transfer)
