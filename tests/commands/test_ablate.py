@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
+from kvdistill.commands import ablate
 from kvdistill.commands.ablate import (
     BUILTIN_VARIANTS,
     VARIANT_SETS,
@@ -222,6 +223,30 @@ def test_failed_run_raises_or_is_reported(tmp_path):
     assert "Failed runs" in (tmp_path / "o" / "ablation.md").read_text()
 
 
+def test_failed_capture_fails_only_the_runs_that_read_it(tmp_path, monkeypatch):
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}]})
+    abl = _write_yaml(tmp_path / "a.yaml", {
+        "base_config": "train.yaml", "output_dir": str(tmp_path / "o"), "seeds": [0, 1],
+        "variants": ["baseline", "kv", "relation"], "capture": True,
+    })
+
+    def fake_capture(rdir, made):
+        if "/kv/" in rdir:
+            raise FileNotFoundError("teacher t not found")
+        return {**made, rdir: {}}, [f"capture: {rdir}"]
+
+    monkeypatch.setattr(ablate, "make_capture", fake_capture)
+    fake = FakeRuns({"baseline": 0.3, "kv": 0.5, "relation": 0.5})
+    with pytest.raises(FileNotFoundError):
+        run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    assert fake.trained == []  # captures come before any run in one process
+    report = run_ablation(load_ablation_config(abl, keep_going=True), train_fn=fake.train, eval_fn=fake.eval,
+                          log=lambda s: None)
+    assert sorted(f.split(":")[0] for f in report["failures"]) == [
+        str(tmp_path / "o" / "captures" / "kv"), "kv seed 0", "kv seed 1"]
+    assert len(fake.trained) == 4 and not any("/kv/" in r for r in fake.evaluated)
+
+
 def test_config_errors(tmp_path):
     _write_yaml(tmp_path / "train.yaml", {"student": "s"})
     with pytest.raises(ConfigError, match="unknown key 'sedes'; did you mean 'seeds'"):
@@ -340,7 +365,8 @@ def test_reference_must_be_run(tmp_path):
 
 
 def test_parallel_workers_give_the_same_numbers_as_one_process(tiny_world, tmp_path):
-    """Two worker processes, one thread per run: each run's accuracy and losses equal the in-process run's."""
+    """Two worker processes, one thread per run, the capture made in a worker while the baseline
+    trains: each run's accuracy and losses equal the in-process run's."""
     m = tiny_world.models
     _write_yaml(tmp_path / "train.yaml", {
         "student": str(m["student"]), "teachers": [{"path": str(m["qwen2_teacher"])}], "data": str(tiny_world.data_dir),
@@ -353,7 +379,7 @@ def test_parallel_workers_give_the_same_numbers_as_one_process(tiny_world, tmp_p
         abl = _write_yaml(tmp_path / f"a{workers}.yaml", {
             "base_config": "train.yaml", "output_dir": str(tmp_path / f"w{workers}"), "seeds": [0],
             "variants": ["baseline", "relation"], "eval": {"limit": 6, "batch_size": 6, "max_new_tokens": 8},
-            "n_resamples": 200, "workers": workers, "threads": 1,
+            "n_resamples": 200, "workers": workers, "threads": 1, "capture": True,
         })
         assert main(["--config", str(abl)]) == 0
         report = json.loads((tmp_path / f"w{workers}" / "ablation.json").read_text())

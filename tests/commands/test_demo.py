@@ -8,6 +8,7 @@ import yaml
 
 from kvdistill.commands.demo import curve_points, plateau_step, run_parallel
 from kvdistill.commands.demo import main as demo_main
+from kvdistill.config import ConfigError
 
 
 def test_plateau_step_is_the_first_point_near_the_best():
@@ -83,6 +84,11 @@ def test_demo_quick_end_to_end(tmp_path):
     mtime = (out / "teachers" / "teacher_qwen2" / "model.safetensors").stat().st_mtime
     assert demo_main(["--quick", "--output_dir", str(out)]) == 0
     assert (out / "teachers" / "teacher_qwen2" / "model.safetensors").stat().st_mtime == mtime
+    # ... but not a student trained with other settings than the demo's (a config changed since)
+    saved = out / "runs" / "student_kv" / "kvdistill_config.yaml"
+    saved.write_text(yaml.safe_dump({**yaml.safe_load(saved.read_text()), "kv_weight": 0.5}))
+    with pytest.raises(ConfigError, match=r"student_kv was trained with other settings \(kv_weight differ\).*delete"):
+        demo_main(["--quick", "--output_dir", str(out)])
 
 
 def test_quality_gate_names_the_teacher(tmp_path):

@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from kvdistill.train.config import ConfigError, KVDistillConfig, parse_config
+from kvdistill.train.config import ConfigError, KVDistillConfig, changed_settings, parse_config
 from kvdistill.train.trainer import kv_warmup_factor
 
 
@@ -78,3 +78,11 @@ def test_config_is_training_arguments(tiny_world):
     cfg = parse_config(["--student", str(tiny_world.models["student"]), "--kv_weight", "0"])
     assert isinstance(cfg, KVDistillConfig) and isinstance(cfg, TrainingArguments)
     assert yaml.safe_load(yaml.safe_dump(cfg.to_yaml_dict()))["student"] == str(tiny_world.models["student"])
+
+
+def test_changed_settings_ignores_bookkeeping_and_options_newer_than_the_run():
+    saved = {"kv_weight": 0.1, "max_steps": 10, "output_dir": "a", "save_steps": 5, "old_option": 1}
+    now = {"kv_weight": 0.1, "max_steps": 20, "output_dir": "b", "save_steps": 9, "new_option": True}
+    assert changed_settings(saved, now) == ["max_steps", "new_option", "old_option"]
+    assert changed_settings(saved, now, common_only=True) == ["max_steps"]
+    assert changed_settings(saved, {**saved, "teacher_capture": "c", "report_to": "none"}) == []

@@ -20,7 +20,7 @@ exists is only evaluated, so an interrupted ablation resumes where it stopped.
 `out_dir/captures/<variant>`) and trains every seed from that capture, so seeds do not recompute
 the teachers; the untrained control gets one capture per seed (its weights depend on the seed). A
 capture equal to an earlier one (same teachers, records and settings, e.g. a signal's shuffled
-control) is a link to it.
+control) is a link to it. A run starts once its capture is made; runs without teachers do not wait.
 
 The report compares each variant with the baseline twice: across seeds (paired t-test on
 the per-seed accuracies, paired by seed) and across items (per-item correctness pooled over
@@ -38,7 +38,7 @@ import multiprocessing
 import re
 import traceback
 from collections.abc import Callable, Mapping
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,8 @@ from kvdistill.evaluate.stats import mean_std, paired_bootstrap, paired_permutat
 from kvdistill.io import read_json, read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.malloc import keep_freed_memory
 from kvdistill.report import fmt_mean_std, fmt_num, fmt_p, fmt_signed, format_environment
+from kvdistill.train.config import TEACHER_SIGNALS, KVDistillConfig, changed_settings
+from kvdistill.train.config import parse_config as parse_train_config
 
 # ----------------------------------------------------------------------------- variants
 
@@ -371,19 +373,11 @@ def eval_settings_for(cfg: AblationConfig, train_cfg: Mapping[str, Any]) -> dict
     return {k: v for k, v in settings.items() if v is not None}
 
 
-# how often and where a run writes, not what it learns: may change between a run and its resumption (a run
-# dir copied into another ablation's output_dir is reused there)
-BOOKKEEPING = frozenset({"output_dir", "save_strategy", "save_steps", "save_total_limit", "logging_steps",
-                         "disable_tqdm", "report_to", "teacher_capture"})
-
-
 def capture_dir_for(cfg: AblationConfig, variant: Variant, train_cfg: Mapping[str, Any]) -> Path | None:
     """Where `capture: true` stores a run's teachers: one capture per variant, shared by its seeds,
     and per seed for the untrained control; None for a run without teachers or without a teacher signal."""
     if not cfg.capture or not train_cfg.get("teachers"):
         return None
-    from kvdistill.train.config import TEACHER_SIGNALS, KVDistillConfig
-
     # `KVDistillConfig.teacher_signal` on the unparsed YAML (class attributes hold the defaults)
     if not any(float(train_cfg.get(k, getattr(KVDistillConfig, k))) > 0 for k in TEACHER_SIGNALS):
         return None
@@ -391,27 +385,17 @@ def capture_dir_for(cfg: AblationConfig, variant: Variant, train_cfg: Mapping[st
     return Path(cfg.output_dir) / "captures" / (f"{variant.name}_seed{train_cfg['seed']}" if untrained else variant.name)
 
 
-def capture_teachers(todo: list[tuple[str, str, Any]], threads: int, log: Callable[[str], None]) -> None:
-    """Make (or finish) every capture the pending runs read, one after another in this process,
-    before any run starts: runs of one variant share a capture and must not write it at once. A
-    capture equal to an earlier one (same teachers, records and settings: a signal and its shuffled
-    control, say) is linked to it, not computed and stored again."""
+def make_capture(rdir: str, made: dict[str, dict]) -> tuple[dict[str, dict], list[str]]:
+    """Make (or finish) the capture the run in `rdir` reads; one equal to a capture in `made` (same
+    teachers, records and settings: a signal and its shuffled control, say) is linked to it, not
+    computed and stored again. Returns `made` with this capture added, and the lines it logged
+    (a worker process hands them back to the parent's log)."""
     from kvdistill.commands.capture import run_capture
-    from kvdistill.train.config import parse_config as parse_train_config
 
-    made: dict[str, dict] = {}  # capture dir -> its settings
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for _, rdir, _ in todo:
-            if (Path(rdir) / "train_summary.json").exists():  # trained: only its evaluation is left
-                continue
-            train_cfg = parse_train_config(["--config", str(Path(rdir) / "train_config.yaml")])
-            if train_cfg.teacher_capture and train_cfg.teacher_capture not in made:
-                log(f"capture: {train_cfg.teacher_capture}")
-                run_capture(train_cfg, log=lambda msg: log(f"    {msg}"), made=made)
-    finally:
-        torch.set_num_threads(before)
+    train_cfg = parse_train_config(["--config", str(Path(rdir) / "train_config.yaml")])
+    lines = [f"capture: {train_cfg.teacher_capture}"]
+    run_capture(train_cfg, log=lambda msg: lines.append(f"    {msg}"), made=made)
+    return made, lines
 
 
 def _check_same_settings(rdir: Path, train_cfg: dict[str, Any]) -> None:
@@ -422,7 +406,7 @@ def _check_same_settings(rdir: Path, train_cfg: dict[str, Any]) -> None:
         return
     saved = yaml.safe_load(saved_path.read_text()) or {}
     now = yaml.safe_load(yaml.safe_dump(train_cfg, sort_keys=False, allow_unicode=True))
-    changed = sorted(k for k in {*saved, *now} - BOOKKEEPING if saved.get(k) != now.get(k))
+    changed = changed_settings(saved, now)
     if changed:
         raise AblationError(f"{rdir} holds a run made with other settings ({', '.join(changed)} differ); delete "
                             "it or set another output_dir, so old and new runs are never mixed")
@@ -468,6 +452,113 @@ def train_and_evaluate(rdir: str, settings: Mapping[str, Any], train_fn: TrainFn
         raise RuntimeError(f"evaluation wrote no {path / 'eval' / 'summary.json'}")
 
 
+@dataclass
+class _Job:
+    """One pending run: its log tag, run dir, eval settings and the capture it trains from (None: no
+    capture, or it is trained already)."""
+
+    tag: str
+    rdir: str
+    settings: dict[str, Any]
+    capture: str | None
+
+
+class _Plan:
+    """An ablation's pending work: its captures, made one after another (a capture may link to an
+    earlier one), each by the first run that reads it; and its runs, each free to start once its
+    capture is made."""
+
+    def __init__(self, runs: list[_Job], keep_going: bool, log: Callable[[str], None]):
+        self.runs, self.keep_going, self.log = runs, keep_going, log
+        self.captures = list(dict.fromkeys(j.capture for j in runs if j.capture is not None))
+        self.reader = {c: next(j.rdir for j in runs if j.capture == c) for c in self.captures}
+        self.made: dict[str, dict] = {}  # capture dir -> its settings (what a later capture links by)
+        self.ready: set[str] = set()
+        self.failures: list[str] = []
+
+    def next_run(self) -> _Job | None:
+        """The first run whose capture is made (taken off the plan), or None."""
+        job = next((j for j in self.runs if j.capture is None or j.capture in self.ready), None)
+        if job is not None:
+            self.runs.remove(job)
+        return job
+
+    def done(self, tag: str, err: BaseException | None, tb: str = "") -> None:
+        if err is None:
+            self.log(f"{tag}: done")
+            return
+        if not self.keep_going:
+            raise err
+        self.failures.append(f"{tag.split('] ', 1)[1]}: {type(err).__name__}: {err}")
+        self.log(f"{tag}: FAILED\n{tb}")
+
+    def captured(self, capture: str, result: tuple[dict, list[str]] | None, err: BaseException | None = None,
+                 tb: str = "") -> None:
+        """A capture is made (its runs may start) or failed (its runs cannot)."""
+        if err is None:
+            self.made.update(result[0])
+            for line in result[1]:
+                self.log(line)
+            self.ready.add(capture)
+            return
+        self.done(f"[capture] {capture}", err, tb)
+        for job in [j for j in self.runs if j.capture == capture]:
+            self.runs.remove(job)
+            self.failures.append(f"{job.tag.split('] ', 1)[1]}: its capture failed")
+
+
+def _run_here(plan: _Plan, threads: int, train_fn: TrainFn, eval_fn: EvalFn) -> None:
+    """Every capture, then every run, one after another in this process."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for capture in plan.captures:
+            try:
+                plan.captured(capture, make_capture(plan.reader[capture], plan.made))
+            except Exception as err:
+                plan.captured(capture, None, err, traceback.format_exc())
+        while (job := plan.next_run()) is not None:
+            plan.log(f"{job.tag}: training + evaluating -> {job.rdir}")
+            try:
+                train_and_evaluate(job.rdir, job.settings, train_fn, eval_fn)
+                plan.done(job.tag, None)
+            except Exception as err:
+                plan.done(job.tag, err, traceback.format_exc())
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_pool(plan: _Plan, workers: int, threads: int) -> None:
+    """One process per job: jobs share no state, each keeps its fixed thread count. A free worker
+    takes the next capture (one at a time), else the first run whose capture is made, so runs
+    without teachers train while the captures are made."""
+    plan.log(f"{len(plan.runs)} runs and {len(plan.captures)} captures on {workers} workers x {threads} thread(s)")
+    captures = list(plan.captures)
+    running: dict[Future, tuple[str, Any]] = {}
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                             initargs=(threads,)) as pool:
+        while True:
+            while len(running) < workers:
+                if captures and all(kind != "capture" for kind, _ in running.values()):
+                    capture = captures.pop(0)  # `made` copied now: the pool pickles it later
+                    running[pool.submit(make_capture, plan.reader[capture], dict(plan.made))] = ("capture", capture)
+                elif (job := plan.next_run()) is not None:
+                    running[pool.submit(train_and_evaluate, job.rdir, job.settings)] = ("run", job)
+                else:
+                    break
+            if not running:
+                return
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                kind, item = running.pop(fut)
+                err = fut.exception()
+                tb = "".join(traceback.format_exception(err)) if err else ""
+                if kind == "capture":
+                    plan.captured(item, None if err else fut.result(), err, tb)
+                else:
+                    plan.done(item.tag, err, tb)
+
+
 def run_ablation(
     cfg: AblationConfig,
     *,
@@ -490,10 +581,9 @@ def run_ablation(
     eval_fn = eval_fn or _default_eval
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    failures: list[str] = []
     # seed-major order: a partial ablation already holds complete seeds for every variant
     jobs = [(v, s) for s in cfg.seeds for v in cfg.variants]
-    todo = []
+    todo: list[_Job] = []
     for k, (variant, seed) in enumerate(jobs, 1):
         rdir = run_dir(cfg, variant.name, seed)
         tag = f"[{k}/{len(jobs)}] {variant.name} seed {seed}"
@@ -506,46 +596,19 @@ def run_ablation(
             log(f"{tag}: finished, skipped")
             continue
         rdir.mkdir(parents=True, exist_ok=True)
-        if not (rdir / "train_summary.json").exists():
+        trained = (rdir / "train_summary.json").exists()  # only its evaluation is left: no capture needed
+        if not trained:
             write_text_atomic(rdir / "train_config.yaml", yaml.safe_dump(train_cfg, sort_keys=False, allow_unicode=True))
-        todo.append((tag, str(rdir), eval_settings_for(cfg, train_cfg)))
+        todo.append(_Job(tag, str(rdir), eval_settings_for(cfg, train_cfg),
+                         None if trained or capture is None else str(capture)))
 
-    if cfg.capture:
-        capture_teachers(todo, cfg.threads, log)
-
-    def done(tag: str, err: BaseException | None, tb: str = "") -> None:
-        if err is None:
-            log(f"{tag}: done")
-            return
-        if not cfg.keep_going:
-            raise err
-        failures.append(f"{tag.split('] ', 1)[1]}: {type(err).__name__}: {err}")
-        log(f"{tag}: FAILED\n{tb}")
-
+    plan = _Plan(todo, cfg.keep_going, log)
     if cfg.workers == 1 or len(todo) <= 1:
-        before = torch.get_num_threads()
-        torch.set_num_threads(cfg.threads)
-        try:
-            for tag, rdir, settings in todo:
-                log(f"{tag}: training + evaluating -> {rdir}")
-                try:
-                    train_and_evaluate(rdir, settings, train_fn, eval_fn)
-                    done(tag, None)
-                except Exception as err:
-                    done(tag, err, traceback.format_exc())
-        finally:
-            torch.set_num_threads(before)
-    else:  # one process per run: runs share no state, each keeps its fixed thread count
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(cfg.workers, mp_context=ctx, initializer=_init_worker,
-                                 initargs=(cfg.threads,)) as pool:
-            futures = {pool.submit(train_and_evaluate, rdir, settings): tag for tag, rdir, settings in todo}
-            log(f"{len(futures)} runs on {cfg.workers} workers x {cfg.threads} thread(s)")
-            for fut in as_completed(futures):
-                err = fut.exception()
-                done(futures[fut], err, "".join(traceback.format_exception(err)) if err else "")
+        _run_here(plan, cfg.threads, train_fn, eval_fn)
+    else:
+        _run_pool(plan, cfg.workers, cfg.threads)
     report = summarize(cfg)
-    report["failures"] = failures
+    report["failures"] = plan.failures
     write_report(report, cfg)
     return report
 

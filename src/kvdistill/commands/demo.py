@@ -40,12 +40,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config
 from kvdistill.data import format_example
 from kvdistill.io import REPO_ROOT, read_json, read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.report import format_environment
 from kvdistill.synthetic import generate_problems, write_jsonl
+from kvdistill.train.config import changed_settings
+from kvdistill.train.config import parse_config as parse_train_config
+from kvdistill.train.trainer import CONFIG_FILE
 
 CONFIG_DIR = REPO_ROOT / "configs" / "demo"
 TASK = {"min_steps": 2, "max_steps": 2, "max_value": 20, "ops": ("add", "sub")}
@@ -200,8 +204,22 @@ def build_models(out: Path, data: Path, seed: int = 0) -> dict[str, Path]:
 
 
 def _done(path: Path) -> bool:
-    """A finished training (`train_summary.json`) or evaluation (`summary.json`) output directory."""
-    return (path / "train_summary.json").exists() or (path / "summary.json").exists()
+    """A finished evaluation (`summary.json`) output directory."""
+    return (path / "summary.json").exists()
+
+
+def _trained(path: Path, argv: list[str], stale: Path) -> bool:
+    """A finished training in `path`, made with the settings `argv` (a `kvdistill train` command line)
+    asks. One made otherwise (a config changed since) stops the demo, naming what to delete: `stale`,
+    the run and what was made from it."""
+    if not (path / "train_summary.json").exists():
+        return False
+    saved = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
+    changed = changed_settings(saved, parse_train_config(argv[1:]).to_yaml_dict(), common_only=True)
+    if changed:
+        raise ConfigError(f"{path} was trained with other settings ({', '.join(changed)} differ) than this demo "
+                          f"asks; delete {stale} or give another --output_dir")
+    return True
 
 
 def _eval_argv(model: Path, data: Path, split: str, limit: int, out: Path) -> list[str]:
@@ -281,10 +299,11 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     jobs = {name: [["train", "--config", str(config_path("teacher.yaml")), "--student", str(init[name]),
                     "--data", str(data), "--data_split", "teacher_pool", "--output_dir", str(path),
                     "--max_steps", str(sizes.teacher_steps), "--seed", str(seed)]]
-            for name, path in teachers.items() if not _done(path)}
+            for name, path in teachers.items()}
+    jobs = {name: [] if _trained(teachers[name], argv[0], stale=out) else argv for name, argv in jobs.items()}
     for name, path in teachers.items():  # each teacher's dev accuracy right after its training
-        if not _done(out / "eval_dev" / name):
-            jobs.setdefault(name, []).append(_eval_argv(path, data, "dev", sizes.dev, out / "eval_dev" / name))
+        if jobs[name] or not _done(out / "eval_dev" / name):
+            jobs[name].append(_eval_argv(path, data, "dev", sizes.dev, out / "eval_dev" / name))
     run_parallel(jobs, workers, out / "logs")
     for name in teachers:
         acc = read_json(out / "eval_dev" / name / "summary.json", {})["accuracy"]
@@ -302,10 +321,11 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     curve_run = out / "runs" / "sft_curve"
     common = ["--student", str(init["student"]), "--data", str(data), "--seed", str(seed)]
     jobs = {}
-    if not _done(curve_run):
-        jobs["sft_curve"] = [["train", "--config", str(config_path("student.yaml")), *common, "--output_dir",
-                              str(curve_run), "--max_steps", str(sizes.curve_steps), "--accuracy_eval_steps",
-                              str(sizes.curve_every), "--accuracy_eval_limit", str(sizes.curve_items)]]
+    curve_argv = ["train", "--config", str(config_path("student.yaml")), *common, "--output_dir", str(curve_run),
+                  "--max_steps", str(sizes.curve_steps), "--accuracy_eval_steps", str(sizes.curve_every),
+                  "--accuracy_eval_limit", str(sizes.curve_items)]
+    if not _trained(curve_run, curve_argv, stale=curve_run):
+        jobs["sft_curve"] = [curve_argv]
     if not _done(transfer):
         jobs["transfer"] = [_eval_argv(teachers[TRANSFER_TEACHER], data, "transfer_questions", sizes.transfer,
                                        transfer)]
@@ -328,15 +348,16 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     train = {name: ["--config", str(config_path(cfg_name)), *common, "--teachers", teacher_list,
                     "--transfer_data", str(transfer / "items.jsonl"), "--transfer_field_map", TRANSFER_FIELDS,
                     "--output_dir", str(runs[name]), "--max_steps", str(budget), *extra]
-             for name, (cfg_name, extra) in STUDENTS.items() if not _done(runs[name])}
+             for name, (cfg_name, extra) in STUDENTS.items()}
+    train = {name: argv for name, argv in train.items() if not _trained(runs[name], ["train", *argv], stale=runs[name])}
     # each teacher runs once over the records (`kvdistill capture`), not in the first epochs of every student
     captured = [name for name in CAPTURED if name in train]
     for name in captured:
         train[name] += ["--teacher_capture", str(out / "captures" / name)]
     run_parallel({f"capture_{name}": [["capture", *train[name]]] for name in captured}, workers, out / "logs")
     models = {**teachers, **runs}
-    tests = {name: [] if _done(out / "eval" / name) else [_eval_argv(path, data, "test", sizes.test, out / "eval" / name)]
-             for name, path in models.items()}
+    tests = {name: [_eval_argv(path, data, "test", sizes.test, out / "eval" / name)]
+             if name in train or not _done(out / "eval" / name) else [] for name, path in models.items()}
     # the longest jobs first (STUDENTS lists the cheapest first); the teachers' evaluations fill the gaps
     jobs = {name: ([["train", *train[name]]] if name in train else []) + tests[name] for name in reversed(STUDENTS)}
     run_parallel({**jobs, **{f"eval_{name}": tests[name] for name in teachers}}, workers, out / "logs")

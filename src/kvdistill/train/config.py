@@ -42,6 +42,19 @@ options are listed first; every transformers TrainingArguments option follows an
 
 # the loss weights that read teachers: a run with all of them 0 loads none
 TEACHER_SIGNALS = ("kv_weight", "codi_weight", "logit_kd_weight")
+# how often and where a run writes, not what it learns: may change between a run and its resumption
+# (a run dir copied into another ablation's output_dir is reused there)
+BOOKKEEPING = frozenset({"output_dir", "save_strategy", "save_steps", "save_total_limit", "logging_steps",
+                         "disable_tqdm", "report_to", "teacher_capture"})
+
+
+def changed_settings(saved: dict[str, Any], now: dict[str, Any], common_only: bool = False) -> list[str]:
+    """The options (bookkeeping aside) in which two train configs, as YAML data, differ: a finished
+    run is reused only where this is empty. `common_only` compares only the options both hold: two
+    full configs (`kvdistill_config.yaml`) written by different versions, where an option added
+    since the run is no change of its settings."""
+    keys = saved.keys() & now.keys() if common_only else saved.keys() | now.keys()
+    return sorted(k for k in keys - BOOKKEEPING if saved.get(k) != now.get(k))
 
 
 @dataclass
