@@ -21,7 +21,9 @@ Every step is a public command with a config from `configs/demo/`, exactly what 
 with real model names, in a subprocess with one torch thread; `--workers` of them run at once
 where nothing orders them (the two teachers, then the transfer set beside the SFT curve, then the
 students, the KV one first, each evaluated as soon as it is trained, beside the teachers' test
-evaluations). Finished steps are skipped on a second run (teachers are cached).
+evaluations). Finished steps are skipped on a second run (teachers are cached); a finished
+training made with other settings than the demo now asks for (a config changed since) stops it
+with the options that differ, never reported as this demo's.
 `kvdistill ablate --config configs/demo/evidence.yaml` runs the full evidence ablation on the
 assets this writes.
 """
@@ -296,11 +298,12 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
 
     teachers = {name: out / "teachers" / name for name in TEACHERS}
     _log(f"[3/7] teachers on the pool ({sizes.teacher_steps} steps each), quality gate {gate:.2f} on dev")
-    jobs = {name: [["train", "--config", str(config_path("teacher.yaml")), "--student", str(init[name]),
+    argvs = {name: ["train", "--config", str(config_path("teacher.yaml")), "--student", str(init[name]),
                     "--data", str(data), "--data_split", "teacher_pool", "--output_dir", str(path),
-                    "--max_steps", str(sizes.teacher_steps), "--seed", str(seed)]]
-            for name, path in teachers.items()}
-    jobs = {name: [] if _trained(teachers[name], argv[0], stale=out) else argv for name, argv in jobs.items()}
+                    "--max_steps", str(sizes.teacher_steps), "--seed", str(seed)]
+             for name, path in teachers.items()}
+    # everything after this stage reads the teachers: one trained otherwise asks for a fresh output dir
+    jobs = {name: [] if _trained(teachers[name], argv, stale=out) else [argv] for name, argv in argvs.items()}
     for name, path in teachers.items():  # each teacher's dev accuracy right after its training
         if jobs[name] or not _done(out / "eval_dev" / name):
             jobs[name].append(_eval_argv(path, data, "dev", sizes.dev, out / "eval_dev" / name))
