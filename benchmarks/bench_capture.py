@@ -43,6 +43,7 @@ import torch
 from kvdistill.commands.bench import interleaved_times, load_benchmark, torch_threads
 from kvdistill.commands.capture import run_capture
 from kvdistill.commands.train import build_trainer
+from kvdistill.malloc import keep_freed_memory
 from kvdistill.tiny import build_tiny_world
 from kvdistill.train.config import parse_config
 
@@ -151,6 +152,7 @@ def _params(model: torch.nn.Module) -> int:
 
 
 if __name__ == "__main__":
+    keep_freed_memory()  # as every `kvdistill` process does (`kvdistill bench` runs this module too)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="half-size pair, 8 records, one repeat")
     json.dump(run(quick=parser.parse_args().quick), sys.stdout, indent=1)

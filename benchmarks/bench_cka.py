@@ -33,6 +33,7 @@ import torch
 
 from kvdistill.align.cka import StreamingCKA, linear_cka
 from kvdistill.commands.bench import interleaved_times, torch_threads
+from kvdistill.malloc import keep_freed_memory
 
 TARGET = 1.3
 
@@ -211,6 +212,7 @@ def _run(quick: bool) -> dict:
 
 
 if __name__ == "__main__":
+    keep_freed_memory()  # as every `kvdistill` process does (`kvdistill bench` runs this module too)
     import sys
 
     print(json.dumps(run(quick="--quick" in sys.argv[1:]), indent=1))

@@ -53,6 +53,7 @@ from kvdistill.commands.bench import interleaved_times, torch_threads
 from kvdistill.commands.profile import measure
 from kvdistill.commands.train import build_trainer
 from kvdistill.losses import token_ce_sum
+from kvdistill.malloc import keep_freed_memory
 from kvdistill.models import load_tokenizer
 from kvdistill.tiny import build_tiny_world, save_random_model
 from kvdistill.train.config import parse_config
@@ -243,6 +244,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    keep_freed_memory()  # as every `kvdistill` process does (`kvdistill bench` runs this module too)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="half-size pair, fewer repeats (about a minute)")
     json.dump(run(quick=parser.parse_args().quick), sys.stdout, indent=1)
