@@ -4,13 +4,13 @@
 |---|---|
 | `kv` | projected KV matching: mse, smooth_l1, cosine, mercator, hybrid, structural (`KVLoss`) |
 | `relation` | MiniLMv2-style self-relation KL over time, no projector (`RelationKVLoss`) |
-| `logits` | the student's LM cross-entropy, logit KD (forward/reverse KL, JSD) |
+| `logits` | the student's LM cross-entropy, logit KD (forward/reverse KL, generalized JSD) |
 | `hidden` | CODI hidden-state alignment at the answer marker |
 """
 
 from kvdistill.losses.hidden import answer_position, codi_sum
 from kvdistill.losses.kv import LOSSES, KVLoss, aligned_kv_loss, build_kv_loss
-from kvdistill.losses.logits import LOGIT_KD_KINDS, logit_kd_sum, token_ce_sum
+from kvdistill.losses.logits import LOGIT_KD_KINDS, generalized_jsd, logit_kd_sum, token_ce_sum
 from kvdistill.losses.relation import RelationKVLoss
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "answer_position",
     "build_kv_loss",
     "codi_sum",
+    "generalized_jsd",
     "logit_kd_sum",
     "token_ce_sum",
 ]

@@ -20,9 +20,41 @@ def token_ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
     )
 
 
+def generalized_jsd(student: Tensor, teacher: Tensor, beta: float = 0.5) -> Tensor:
+    """Per-position generalized Jensen-Shannon divergence of TRL's GKD, on log-probabilities.
+
+    `beta * KL(t || m) + (1 - beta) * KL(s || m)` with the mixture `m = (1 - beta) s + beta t`;
+    as in TRL, `beta = 0` is the forward KL(t || s) and `beta = 1` the reverse KL(s || t) exactly
+    (the mixture form would tend to 0 there), and 0.5 is the symmetric Jensen-Shannon divergence.
+
+    Args:
+        student, teacher: `[..., V]` log-probabilities (log_softmax already applied, any temperature).
+        beta: in [0, 1].
+
+    Returns:
+        `[...]` divergences.
+    """
+    if beta == 0.0:
+        return (teacher.exp() * (teacher - student)).sum(-1)
+    if beta == 1.0:
+        return (student.exp() * (student - teacher)).sum(-1)
+    log_b, log_1b = torch.log(torch.tensor(beta)), torch.log(torch.tensor(1.0 - beta))
+    m = torch.logsumexp(torch.stack([student + log_1b, teacher + log_b]), 0)  # [..., V]
+    return beta * (teacher.exp() * (teacher - m)).sum(-1) + (1 - beta) * (student.exp() * (student - m)).sum(-1)
+
+
+def kind_beta(kind: str, beta: float = 0.5) -> float:
+    """The generalized-JSD beta of a logit KD kind: forward_kl 0, reverse_kl 1, jsd `beta`."""
+    if kind not in LOGIT_KD_KINDS:
+        raise ValueError(f"logit KD kind must be one of {LOGIT_KD_KINDS}, got {kind!r}")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"generalized JSD beta must be in [0, 1], got {beta}")
+    return {"forward_kl": 0.0, "reverse_kl": 1.0}.get(kind, beta)
+
+
 def logit_kd_sum(
     student: Tensor, teacher: Tensor, labels: Tensor, kind: str, temperature: float,
-    sample_weight: Tensor | None = None,
+    sample_weight: Tensor | None = None, beta: float = 0.5, vocab_size: int | None = None,
 ) -> Tensor:
     """Sum over labelled positions of a divergence between teacher and student next-token dists.
 
@@ -30,22 +62,18 @@ def logit_kd_sum(
         student, teacher: `[B, T, V]` logits on the same tokens.
         labels: `[B, T]` (-100: not a target, so prompt and padding never enter).
         kind: "forward_kl" (KL(t || s), mode-covering), "reverse_kl" (KL(s || t), mode-seeking) or
-            "jsd" (Jensen-Shannon, beta = 0.5).
+            "jsd" (TRL's generalized JSD with `beta`; 0.5 = Jensen-Shannon), see `generalized_jsd`.
         temperature: softmax temperature; the sum is scaled by `temperature**2` (Hinton et al.).
         sample_weight: `[B]` scales each sample's terms (per-sample fusion weights; None: all 1).
+        beta: the generalized JSD's beta (kind "jsd" only).
+        vocab_size: the tokenizer's real size: embedding matrices are often padded past it (Qwen2.5-0.5B
+            151,936 rows, Qwen2-7B 152,064 for one tokenizer), so both are cut to it (None: the smaller).
     """
-    if kind not in LOGIT_KD_KINDS:
-        raise ValueError(f"logit KD kind must be one of {LOGIT_KD_KINDS}, got {kind!r}")
-    V = min(student.shape[-1], teacher.shape[-1])  # embedding matrices are often padded past the vocab
+    b = kind_beta(kind, beta)
+    V = vocab_size or min(student.shape[-1], teacher.shape[-1])
     s = F.log_softmax(student[:, :-1, :V].float() / temperature, -1)  # [B, T-1, V]
     t = F.log_softmax(teacher[:, :-1, :V].float() / temperature, -1)
-    if kind == "forward_kl":
-        div = (t.exp() * (t - s)).sum(-1)
-    elif kind == "reverse_kl":
-        div = (s.exp() * (s - t)).sum(-1)
-    else:
-        m = torch.logsumexp(torch.stack([s, t]), 0) - torch.log(torch.tensor(2.0))
-        div = 0.5 * ((s.exp() * (s - m)).sum(-1) + (t.exp() * (t - m)).sum(-1))
+    div = generalized_jsd(s, t, b)  # [B, T-1]
     valid = (labels[:, 1:] != -100).float()  # [B, T-1]
     if sample_weight is not None:
         valid = valid * sample_weight[:, None]
