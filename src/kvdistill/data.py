@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvdistill import fields as token_fields
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
@@ -159,6 +160,11 @@ def _record(where: str, row: Mapping[str, Any], fmap: Mapping[str, str], extra_f
             raise DataError(f"{where} has no {col!r} value; give every record one (or remove that record)")
     rec = {ours: str(row[theirs]) for ours, theirs in fmap.items()}
     rec.update({f: row[f] for f in extra_fields})
+    if row.get(token_fields.FIELD_KEY) is not None:  # a task's per-token facts (fields.py) travel with it
+        try:
+            rec[token_fields.FIELD_KEY] = token_fields.freeze(row[token_fields.FIELD_KEY], where)
+        except ValueError as err:
+            raise DataError(str(err)) from None
     if not rec["question"].strip():
         raise DataError(f"{where} has an empty {fmap['question']!r}; give every record a question (or remove "
                         "that record)")
@@ -304,7 +310,8 @@ def tokenize_example(
 
     Returns:
         dict of 1-D tensors `[T]`: `input_ids`, `attention_mask`, `labels` (prompt = -100, so the
-        LM loss sees only reasoning + answer), `segment_ids` (0 prompt, 1 reasoning, 2 answer).
+        LM loss sees only reasoning + answer), `segment_ids` (0 prompt, 1 reasoning, 2 answer), and
+        `field:<name>` for every per-token field the record carries (`fields.py`; `IGNORE` elsewhere).
     """
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(
@@ -335,18 +342,28 @@ def tokenize_example(
     input_ids = torch.tensor(ids[:max_length], dtype=torch.long)
     seg = seg[:max_length]
     labels = torch.where(seg == PROMPT, torch.tensor(-100), input_ids)
-    return {
+    out = {
         "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids),
         "labels": labels,
         "segment_ids": seg,
     }
+    if record.get(token_fields.FIELD_KEY):
+        try:
+            per_token = token_fields.tokens_of(token_fields.freeze(record[token_fields.FIELD_KEY]), f.text,
+                                               str(record["question"]), ends)
+        except ValueError as err:
+            raise DataError(str(err)) from None
+        ignore = torch.full((len(ids) - len(ends),), token_fields.IGNORE)  # the appended EOS
+        out.update({f"field:{k}": torch.cat([v, ignore])[:max_length] for k, v in per_token.items()})
+    return out
 
 
 def pad_batch(features: Sequence[Mapping[str, Tensor]], pad_id: int, side: str = "right") -> dict[str, Tensor]:
     """Pad 1-D tensors to the longest in the batch: `[T]` each -> `[B, T_max]`."""
     T = max(len(f["input_ids"]) for f in features)
-    fill = {"input_ids": pad_id, "attention_mask": 0, "labels": -100, "segment_ids": PAD}
+    fill = {"input_ids": pad_id, "attention_mask": 0, "labels": -100, "segment_ids": PAD,
+            **{k: token_fields.IGNORE for k in features[0] if k.startswith("field:")}}
     out: dict[str, Tensor] = {}
     for key, value in fill.items():
         if key not in features[0]:
@@ -376,7 +393,9 @@ class DistillCollator:
     `index [B]` (record ids, for per-sample teacher weights and the teacher cache), `labelled [B]`
     (False for transfer records: no LM loss) and `teacher_inputs`:
     `{teacher name: {input_ids, attention_mask, segment_ids}}` for teachers listed in `teachers`
-    (those with another tokenizer or rationale; the others reuse the student's tensors).
+    (those with another tokenizer or rationale; the others reuse the student's tensors). Records with
+    per-token fields (`fields.py`) add `token_fields: {name: [B, T]}` to the batch and to each
+    teacher's inputs, in that reader's own tokenization.
     `student_input` shortens the student's rationale (`shorten_rationale`); teachers always read
     the whole record.
 
@@ -424,7 +443,11 @@ class DistillCollator:
                 if key is not None and len(self._features) < self.max_cached:
                     self._features[key] = f
             feats.append(f)
-        return pad_batch(feats, tok.pad_token_id if tok.pad_token_id is not None else 0)
+        batch = pad_batch(feats, tok.pad_token_id if tok.pad_token_id is not None else 0)
+        per_token = {k.removeprefix("field:"): batch.pop(k) for k in list(batch) if k.startswith("field:")}
+        if per_token:
+            batch["token_fields"] = per_token  # {name: [B, T]}
+        return batch
 
     def __call__(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         n_labelled = len(records)

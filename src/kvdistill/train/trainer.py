@@ -194,6 +194,7 @@ class KVDistillTrainer(Trainer):
         args: KVDistillConfig = self.args
         inputs = dict(inputs)
         teacher_inputs = inputs.pop("teacher_inputs", {})
+        inputs.pop("token_fields", None)  # a task's per-token facts (fields.py): read by row selection and controls
         warm = kv_warmup_factor(self.state.global_step, args.kv_warmup_steps)
         kv_scale = args.kv_weight * warm
         use_teachers = len(self.teachers) > 0 and (kv_scale > 0 or args.codi_weight > 0 or args.logit_kd_weight > 0)
