@@ -5,9 +5,11 @@
 | `kv` | projected KV matching: mse, smooth_l1, cosine, mercator, hybrid, structural (`KVLoss`) |
 | `relation` | MiniLMv2-style self-relation KL over time, no projector (`RelationKVLoss`) |
 | `logits` | the student's LM cross-entropy, logit KD (forward/reverse KL, generalized JSD) |
+| `chunked` | CE + logit KD from hidden states a chunk of tokens at a time (`chunked_head_loss`) |
 | `hidden` | CODI hidden-state alignment at the answer marker |
 """
 
+from kvdistill.losses.chunked import chunked_head_loss, resolve_chunk_tokens
 from kvdistill.losses.hidden import answer_position, codi_sum
 from kvdistill.losses.kv import LOSSES, KVLoss, aligned_kv_loss, build_kv_loss
 from kvdistill.losses.logits import LOGIT_KD_KINDS, generalized_jsd, logit_kd_sum, token_ce_sum
@@ -21,8 +23,10 @@ __all__ = [
     "aligned_kv_loss",
     "answer_position",
     "build_kv_loss",
+    "chunked_head_loss",
     "codi_sum",
     "generalized_jsd",
     "logit_kd_sum",
+    "resolve_chunk_tokens",
     "token_ce_sum",
 ]

@@ -1,0 +1,114 @@
+"""Chunked CE + logit KD from hidden states (`kvdistill.losses.chunked`) equals the unchunked losses."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvdistill.losses import logit_kd_sum, token_ce_sum
+from kvdistill.losses.chunked import AUTO_CHUNK_TOKENS, chunked_head_loss, resolve_chunk_tokens
+
+B, T, D, V = 2, 7, 6, 13
+
+
+def _problem(seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, D, generator=g, requires_grad=True)  # [B, T, d] student final hidden states
+    w = torch.randn(V, D, generator=g, requires_grad=True)  # [V, d] student head
+    b = torch.randn(V, generator=g, requires_grad=True) if bias else None
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels[0, :3] = -100  # a prompt: no CE, no KD
+    labels[1, -1] = -100  # padding
+    th = torch.randn(B, T, 4, generator=g)  # teacher 1: hidden + head of another width
+    tw, tb = torch.randn(V + 2, 4, generator=g), torch.randn(V + 2, generator=g)  # padded past the vocab
+    tl = torch.randn(B, T, V, generator=g) * 2  # teacher 2: logits
+    return h, w, b, labels, (th, tw, tb), tl
+
+
+def _reference(h, w, b, labels, t1, tl, kind, temp, beta, sw):
+    """token_ce_sum and logit_kd_sum on the full logits: the unchunked path."""
+    logits = F.linear(h, w, b)  # [B, T, V]
+    t1_logits = F.linear(t1[0], t1[1], t1[2])
+    ce = token_ce_sum(logits, labels)
+    kd = (logit_kd_sum(logits, t1_logits, labels, kind, temp, sw[0], beta=beta, vocab_size=V)
+          + logit_kd_sum(logits, tl, labels, kind, temp, sw[1], beta=beta, vocab_size=V))
+    return ce, kd
+
+
+def _chunked(h, w, b, labels, t1, tl, kind, temp, beta, sw, chunk, ce_scale, kd_scale):
+    """The same through chunked_head_loss: positions 0..T-2 predict labels 1..T-1, flattened to N."""
+    flat = lambda x: x[:, :-1].flatten(0, 1)  # noqa: E731  [B, T-1, ...] -> [N, ...]
+    targets = labels[:, 1:].flatten()  # [N]
+    valid = (targets != -100).float()  # [N]
+    kd_w = torch.stack([valid * sw[0].repeat_interleave(T - 1), valid * sw[1].repeat_interleave(T - 1)])  # [2, N]
+    teachers = [(flat(t1[0]), t1[1], t1[2]), (flat(tl), None, None)]
+    return chunked_head_loss(flat(h), w, b, targets, teachers, kd_w, ce_scale=ce_scale, kd_scale=kd_scale,
+                             kind=kind, beta=beta, temperature=temp, vocab_size=V, chunk_tokens=chunk)
+
+
+@pytest.mark.parametrize("kind,beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.5), ("jsd", 0.2)])
+@pytest.mark.parametrize("chunk", [0, 1, 4, 5])
+def test_chunked_equals_unchunked_loss_and_gradients(kind, beta, chunk):
+    h, w, b, labels, t1, tl = _problem()
+    sw, temp, ce_scale, kd_scale = torch.tensor([[1.0, 0.5], [0.25, 2.0]]), 2.0, 0.7, 1.3
+    ce, kd = _reference(h, w, b, labels, t1, tl, kind, temp, beta, sw)
+    ref = ce_scale * ce + kd_scale * kd
+    ref_grads = torch.autograd.grad(ref, (h, w, b))
+    loss, ce_c, kd_c = _chunked(h, w, b, labels, t1, tl, kind, temp, beta, sw, chunk, ce_scale, kd_scale)
+    grads = torch.autograd.grad(loss * 3.0, (h, w, b))  # an upstream gradient scales all three
+    tol = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, ref, **tol)
+    torch.testing.assert_close(ce_c, ce, **tol)
+    torch.testing.assert_close(kd_c, kd, **tol)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, 3.0 * r, **tol)
+
+
+def test_masked_tokens_contribute_nothing():
+    """Changing the logits of a masked position changes neither the loss nor any other gradient."""
+    h, w, b, labels, t1, tl = _problem(bias=False)
+    sw = torch.ones(2, B)
+    loss, _, _ = _chunked(h, w, b, labels, t1, tl, "forward_kl", 1.0, 0.5, sw, 3, 1.0, 1.0)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    h2, tl2 = h.detach().clone(), tl.clone()
+    h2[0, 1] += 5.0  # position 1 of sample 0 predicts label 2: masked
+    tl2[0, 1] -= 3.0
+    h2.requires_grad_()
+    loss2, _, _ = _chunked(h2, w, b, labels, t1, tl2, "forward_kl", 1.0, 0.5, sw, 3, 1.0, 1.0)
+    gh2, gw2 = torch.autograd.grad(loss2, (h2, w))
+    torch.testing.assert_close(loss2, loss)
+    torch.testing.assert_close(gw2, gw)
+    assert gh2[0, 1].abs().max() == 0 and gh[0, 1].abs().max() == 0
+
+
+def test_temperature_scales_like_hinton():
+    """At identical student and teacher the KD is 0 at any temperature; the T² factor is applied."""
+    h, w, b, labels, t1, tl = _problem()
+    sw = torch.ones(2, B)
+    kd = {t: _chunked(h, w, b, labels, t1, tl, "forward_kl", t, 0.5, sw, 4, 0.0, 1.0)[2] for t in (1.0, 4.0)}
+    ref = {t: _reference(h, w, b, labels, t1, tl, "forward_kl", t, 0.5, sw)[1] for t in (1.0, 4.0)}
+    torch.testing.assert_close(kd[4.0], ref[4.0])
+    assert float(kd[4.0]) != pytest.approx(float(kd[1.0]), rel=1e-3)
+    logits = F.linear(h, w, b).detach()
+    flat = logits[:, :-1].flatten(0, 1)
+    same = chunked_head_loss(h[:, :-1].flatten(0, 1), w, b, labels[:, 1:].flatten(), [(flat, None, None)],
+                             torch.ones(1, flat.shape[0]), ce_scale=0.0, temperature=3.0, chunk_tokens=2)[0]
+    assert float(same.detach()) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_bf16_hidden_gets_a_bf16_gradient_close_to_fp32():
+    h, w, b, labels, t1, tl = _problem()
+    sw = torch.ones(2, B)
+    loss, _, _ = _chunked(h, w, b, labels, t1, tl, "jsd", 1.0, 0.5, sw, 4, 1.0, 1.0)
+    (gh,) = torch.autograd.grad(loss, h)
+    hb, wb = h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    loss_b, _, _ = _chunked(hb, wb, b.detach().bfloat16(), labels, t1, tl, "jsd", 1.0, 0.5, sw, 4, 1.0, 1.0)
+    ghb, gwb = torch.autograd.grad(loss_b, (hb, wb))
+    assert ghb.dtype == torch.bfloat16 and gwb.dtype == torch.bfloat16
+    torch.testing.assert_close(ghb.float(), gh, atol=0.1, rtol=0.1)
+
+
+def test_resolve_chunk_tokens():
+    assert resolve_chunk_tokens(0, 10**6, 10**6) == 0
+    assert resolve_chunk_tokens(256, 10, 10) == 256
+    assert resolve_chunk_tokens(-1, 2048, 151_936) == AUTO_CHUNK_TOKENS  # Qwen2.5-0.5B head: chunked
+    assert resolve_chunk_tokens(-1, 64, 1000) == 0  # tiny: one pass
