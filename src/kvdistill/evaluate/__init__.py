@@ -9,6 +9,8 @@ from kvdistill.evaluate.stats import (
     paired_bootstrap,
     paired_permutation_test,
     paired_ttest,
+    tost,
+    welch_ttest,
     wilson_interval,
 )
 
@@ -19,5 +21,7 @@ __all__ = [
     "paired_bootstrap",
     "paired_permutation_test",
     "paired_ttest",
+    "tost",
+    "welch_ttest",
     "wilson_interval",
 ]

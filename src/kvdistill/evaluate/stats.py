@@ -1,13 +1,15 @@
-"""Statistics for accuracy comparisons, with no dependency beyond `math` and numpy.
+"""Statistics for comparing runs; the distributions and tests are scipy.stats'.
 
 - `wilson_interval`: confidence interval of a binomial proportion (accuracy of one run).
-- `paired_ttest`: across seeds, variant vs baseline accuracy paired by seed.
+- `paired_ttest` / `welch_ttest`: across seeds, a variant vs its reference, paired by seed or
+  unpaired (Welch: unequal variances; the honest choice when per-seed pairing carries no
+  correlation).
+- `tost`: two one-sided tests of equivalence within ±margin (paired or Welch).
+- `mann_whitney`: rank test of two samples (e.g. steps to a dev-accuracy threshold).
+- `logrank`: steps to a threshold with runs that never reach it censored at the budget.
 - `paired_permutation_test` / `paired_bootstrap`: across items, per-item correctness of
   two systems paired by item (pooled over seeds), a sign-flip randomisation test and a
   bootstrap confidence interval of the accuracy difference.
-
-The Student t distribution is computed from the regularised incomplete beta function
-(Lentz continued fraction, Numerical Recipes §6.4), so p-values match scipy to ~1e-12.
 """
 
 from __future__ import annotations
@@ -15,87 +17,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
-
-# ---------------------------------------------------------------------------- distributions
-
-
-def normal_ppf(p: float) -> float:
-    """Inverse standard-normal CDF (bisection on `erfc`; exact to ~1e-15)."""
-    if not 0.0 < p < 1.0:
-        raise ValueError(f"p must be in (0, 1), got {p}")
-    lo, hi = -40.0, 40.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if 0.5 * math.erfc(-mid / math.sqrt(2.0)) < p:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
-
-
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the incomplete beta function (modified Lentz)."""
-    tiny, eps = 1e-300, 1e-15
-    qab, qap, qam = a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 10_000):
-        m2 = 2 * m
-        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        h *= d * c
-        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        delta = d * c
-        h *= delta
-        if abs(delta - 1.0) < eps:
-            break
-    return h
-
-
-def betainc(a: float, b: float, x: float) -> float:
-    """Regularised incomplete beta function I_x(a, b)."""
-    if not 0.0 <= x <= 1.0:
-        raise ValueError(f"x must be in [0, 1], got {x}")
-    if x in (0.0, 1.0):
-        return x
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    # the continued fraction converges fast for x < (a+1)/(a+b+2); use the symmetry otherwise
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(log_front) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
-
-
-def t_sf(t: float, df: float) -> float:
-    """Survival function P(T > t) of Student's t with `df` degrees of freedom."""
-    if math.isinf(t):
-        return 0.0 if t > 0 else 1.0
-    tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))  # P(T > |t|)
-    return tail if t >= 0 else 1.0 - tail
-
-
-def t_ppf(p: float, df: float) -> float:
-    """Inverse CDF of Student's t (bisection on `t_sf`)."""
-    if not 0.0 < p < 1.0:
-        raise ValueError(f"p must be in (0, 1), got {p}")
-    lo, hi = -1e6, 1e6
-    for _ in range(300):
-        mid = 0.5 * (lo + hi)
-        if 1.0 - t_sf(mid, df) < p:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
-
+from scipy import stats
 
 # ---------------------------------------------------------------------------- one run
 
@@ -114,7 +39,7 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
         return 0.0, 1.0
     if not 0 <= successes <= n:
         raise ValueError(f"successes must be in [0, {n}], got {successes}")
-    z = normal_ppf(0.5 + confidence / 2.0)
+    z = float(stats.norm.ppf(0.5 + confidence / 2.0))
     phat = successes / n
     denom = 1.0 + z * z / n
     center = (phat + z * z / (2 * n)) / denom
@@ -139,16 +64,17 @@ def mean_std(values: Sequence[float | None]) -> tuple[float, float, int]:
     return mean, math.sqrt(var), len(vals)
 
 
-# ---------------------------------------------------------------------------- paired tests
+# ---------------------------------------------------------------------------- t-tests over seeds
 
 
 @dataclass
 class TTestResult:
-    """Paired t-test of `a - b`: statistic, degrees of freedom, two-sided p, CI of the mean."""
+    """t-test of `mean(a) - mean(b)`: statistic, degrees of freedom (Welch's are fractional),
+    two-sided p, CI of the difference."""
 
     mean_diff: float
     t: float
-    df: int
+    df: float
     p_value: float
     ci_low: float
     ci_high: float
@@ -158,37 +84,194 @@ class TTestResult:
         return asdict(self)
 
 
+def _arrays(a: Sequence[float], b: Sequence[float], paired: bool) -> tuple[np.ndarray, np.ndarray]:
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)  # [n_a], [n_b]
+    if paired and x.shape != y.shape:
+        raise ValueError(f"paired samples need equal lengths, got {len(x)} and {len(y)}")
+    return x, y
+
+
+def _no_spread(mean: float, se: float) -> bool:
+    """The standard error vanishes (every difference equal): scipy's t is nan there."""
+    return se == 0.0 or se < 1e-12 * max(1.0, abs(mean))
+
+
+def _ttest(a: Sequence[float], b: Sequence[float], paired: bool, confidence: float) -> TTestResult:
+    x, y = _arrays(a, b, paired)
+    n = len(x) if paired else len(x) + len(y)
+    if len(x) == 0 or len(y) == 0:
+        return TTestResult(math.nan, math.nan, 0, math.nan, math.nan, math.nan, n)
+    mean = float(x.mean() - y.mean())
+    if min(len(x), len(y)) < 2:
+        return TTestResult(mean, math.nan, 0, math.nan, math.nan, math.nan, n)
+    se = float(np.std(x - y, ddof=1) / math.sqrt(len(x))) if paired else math.sqrt(
+        x.var(ddof=1) / len(x) + y.var(ddof=1) / len(y))
+    if _no_spread(mean, se):  # degenerate: p = 1 for identical runs, 0 for a constant non-zero shift
+        df = len(x) - 1 if paired else len(x) + len(y) - 2
+        if mean == 0.0:
+            return TTestResult(0.0, 0.0, df, 1.0, 0.0, 0.0, n)
+        return TTestResult(mean, math.copysign(math.inf, mean), df, 0.0, mean, mean, n)
+    r = stats.ttest_rel(x, y) if paired else stats.ttest_ind(x, y, equal_var=False)
+    ci = r.confidence_interval(confidence)
+    return TTestResult(mean, float(r.statistic), float(r.df), float(r.pvalue), float(ci.low), float(ci.high), n)
+
+
 def paired_ttest(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> TTestResult:
     """Two-sided paired t-test of the mean of `a - b` (e.g. accuracies paired by seed).
 
-    Same statistic as `scipy.stats.ttest_rel`. When every difference is equal the test is
-    degenerate: p = 1 if they are all zero (identical runs), else p = 0. With fewer than two
-    pairs the p-value is `nan`.
+    `scipy.stats.ttest_rel`. When every difference is equal the test is degenerate: p = 1 if
+    they are all zero (identical runs), else p = 0. With fewer than two pairs the p-value is `nan`.
 
     Args:
         a: `[n]` values of the variant.
         b: `[n]` values of the reference, paired with `a` by position.
     """
-    if len(a) != len(b):
-        raise ValueError(f"paired samples need equal lengths, got {len(a)} and {len(b)}")
-    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)  # [n]
-    n = len(d)
-    if n == 0:
-        return TTestResult(math.nan, math.nan, 0, math.nan, math.nan, math.nan, 0)
-    mean = float(d.mean())
-    if n < 2:
-        return TTestResult(mean, math.nan, 0, math.nan, math.nan, math.nan, n)
-    df = n - 1
-    sd = float(d.std(ddof=1))
-    if sd == 0.0 or sd < 1e-12 * max(1.0, abs(mean)):
-        if mean == 0.0:
-            return TTestResult(0.0, 0.0, df, 1.0, 0.0, 0.0, n)
-        return TTestResult(mean, math.copysign(math.inf, mean), df, 0.0, mean, mean, n)
-    se = sd / math.sqrt(n)
-    t = mean / se
-    p = min(1.0, 2.0 * t_sf(abs(t), df))
-    half = t_ppf(0.5 + confidence / 2.0, df) * se
-    return TTestResult(mean, t, df, p, mean - half, mean + half, n)
+    return _ttest(a, b, True, confidence)
+
+
+def welch_ttest(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> TTestResult:
+    """Two-sided unpaired t-test of `mean(a) - mean(b)` with unequal variances (Welch).
+
+    `scipy.stats.ttest_ind(equal_var=False)`; `n` is `len(a) + len(b)`, `df` the
+    Welch–Satterthwaite degrees of freedom. Pairing by seed only helps when paired runs are
+    correlated; when they are not (per-seed correlation ≈ 0), the paired test throws away
+    degrees of freedom and Welch is the better test. Same degenerate cases as `paired_ttest`.
+    """
+    return _ttest(a, b, False, confidence)
+
+
+@dataclass
+class TostResult:
+    """Two one-sided tests (TOST) of `|mean(a) - mean(b)| < margin`.
+
+    `p_lower` tests H0: Δ ≤ -margin, `p_upper` H0: Δ ≥ +margin; `p_value` is the larger.
+    Equivalent at `alpha` iff both are below it, i.e. iff the (1 - 2·alpha) CI lies inside
+    (-margin, +margin).
+    """
+
+    mean_diff: float
+    margin: float
+    alpha: float
+    paired: bool
+    p_lower: float
+    p_upper: float
+    p_value: float
+    ci_low: float
+    ci_high: float
+    confidence: float
+    n: int
+    equivalent: bool
+    verdict: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def tost(a: Sequence[float], b: Sequence[float], margin: float, *, paired: bool = False,
+         alpha: float = 0.05) -> TostResult:
+    """TOST equivalence test of `a` and `b` within ±`margin` (paired t or Welch).
+
+    Absence of a significant difference is not evidence of no difference; TOST is: it says
+    "equivalent within ±margin" only when an effect as large as the margin is rejected on
+    both sides. With a vanishing standard error the one-sided p values are 0 or 1.
+
+    Args:
+        a, b: per-seed values (paired by position when `paired`).
+        margin: the equivalence margin (> 0), in the units of the values.
+        alpha: level of each one-sided test; the CI reported is the (1 - 2·alpha) one.
+    """
+    if not margin > 0 or not 0 < alpha < 0.5:
+        raise ValueError(f"TOST needs margin > 0 and 0 < alpha < 0.5, got margin {margin}, alpha {alpha}")
+    x, y = _arrays(a, b, paired)
+    r = _ttest(x, y, paired, 1.0 - 2.0 * alpha)  # its CI is the TOST CI
+    if math.isnan(r.t):
+        p_lower = p_upper = math.nan
+    elif r.ci_low == r.ci_high:  # a zero-width CI: no spread, the shift is known exactly
+        p_lower, p_upper = float(r.mean_diff <= -margin), float(r.mean_diff >= margin)
+    elif paired:
+        d = x - y
+        p_lower = float(stats.ttest_1samp(d, -margin, alternative="greater").pvalue)
+        p_upper = float(stats.ttest_1samp(d, margin, alternative="less").pvalue)
+    else:  # shift b by the margin: Δ > -m  <=>  mean(a) > mean(b - m)
+        p_lower = float(stats.ttest_ind(x, y - margin, equal_var=False, alternative="greater").pvalue)
+        p_upper = float(stats.ttest_ind(x, y + margin, equal_var=False, alternative="less").pvalue)
+    p = max(p_lower, p_upper)
+    equivalent = bool(p < alpha)
+    verdict = f"equivalent within ±{margin:g}" if equivalent else f"not shown equivalent within ±{margin:g}"
+    return TostResult(r.mean_diff, margin, alpha, paired, p_lower, p_upper, p, r.ci_low, r.ci_high,
+                      1.0 - 2.0 * alpha, r.n, equivalent, verdict)
+
+
+# ---------------------------------------------------------------------------- rank and survival tests
+
+
+@dataclass
+class RankTestResult:
+    """Mann–Whitney U of `a` vs `b`: U of `a`, two-sided p, and P(a > b) + P(a = b)/2 (U / (n_a n_b))."""
+
+    u: float
+    p_value: float
+    prob_a_greater: float
+    n_a: int
+    n_b: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def mann_whitney(a: Sequence[float], b: Sequence[float]) -> RankTestResult:
+    """Two-sided Mann–Whitney U test (`scipy.stats.mannwhitneyu`); `nan` when a sample is empty."""
+    x, y = _arrays(a, b, False)
+    if len(x) == 0 or len(y) == 0:
+        return RankTestResult(math.nan, math.nan, math.nan, len(x), len(y))
+    r = stats.mannwhitneyu(x, y, alternative="two-sided")
+    u = float(r.statistic)
+    return RankTestResult(u, float(r.pvalue), u / (len(x) * len(y)), len(x), len(y))
+
+
+@dataclass
+class LogRankResult:
+    """Log-rank test of two samples of times with right censoring: `statistic` is (O - E) / √V of
+    sample a's events (> 0: a reaches the event sooner; its square is the chi-square), p two-sided."""
+
+    statistic: float
+    p_value: float
+    n_a: int
+    n_b: int
+    events_a: int
+    events_b: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def logrank(steps_a: Sequence[float], reached_a: Sequence[bool], steps_b: Sequence[float],
+            reached_b: Sequence[bool]) -> LogRankResult:
+    """Two-sided log-rank test of time-to-event (`scipy.stats.logrank`).
+
+    Args:
+        steps_a: `[n_a]` the step a run reached the event, or its budget when it never did.
+        reached_a: `[n_a]` True where the event happened; False: censored at `steps_a`.
+        steps_b, reached_b: the same for the other sample.
+
+    With no event in either sample both are the same (all censored): p = 1.
+    """
+    def censored(steps: Sequence[float], reached: Sequence[bool]) -> Any:
+        t, e = np.asarray(steps, dtype=np.float64), np.asarray(reached, dtype=bool)  # [n], [n]
+        if t.shape != e.shape:
+            raise ValueError(f"steps and reached need equal lengths, got {len(t)} and {len(e)}")
+        return stats.CensoredData(uncensored=t[e], right=t[~e]), len(t), int(e.sum())
+
+    (xa, na, ea), (xb, nb, eb) = censored(steps_a, reached_a), censored(steps_b, reached_b)
+    if na == 0 or nb == 0:
+        return LogRankResult(math.nan, math.nan, na, nb, ea, eb)
+    if ea + eb == 0:
+        return LogRankResult(0.0, 1.0, na, nb, ea, eb)
+    r = stats.logrank(xa, xb)
+    return LogRankResult(float(r.statistic), float(r.pvalue), na, nb, ea, eb)
+
+
+# ---------------------------------------------------------------------------- paired tests over items
 
 
 def paired_permutation_test(
