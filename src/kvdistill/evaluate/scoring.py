@@ -93,7 +93,8 @@ class StopOnStrings(StoppingCriteria):
         return done
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The ids that end a generation: the model's generation config's EOS id(s), then the tokenizer's."""
     ids: list[int] = []
     gen_cfg = getattr(model, "generation_config", None)
     for value in (getattr(gen_cfg, "eos_token_id", None), tokenizer.eos_token_id):
@@ -132,44 +133,58 @@ def generate_completions(
     """
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     out: list[str] = [""] * len(prompts)
-    device = model_device(model)
-    eos = _eos_ids(model, tokenizer)
+    # disable=None: a bar on a terminal only, so logs of batch jobs stay clean
+    bar = tqdm(total=len(prompts), desc="generate", unit="q", disable=None if progress is None else not progress)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        new = generate_batch(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
+                             add_special_tokens=add_special_tokens, stop_strings=stop_strings,
+                             do_sample=False, num_beams=1)
+        texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+        for i, text in zip(idx, texts):
+            out[i] = truncate_at_stop(text, stop_strings)
+        bar.update(len(idx))
+    bar.close()
+    return out
+
+
+def generate_batch(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    add_special_tokens: bool = True,
+    stop_strings: Sequence[str] = (),
+    **generate_kwargs: Any,
+) -> Tensor:
+    """One batch of prompts through HF `generate`; returns only the new tokens `[B, T_new]`.
+
+    Prompts are left-padded (every row's new tokens start in the same column; the tokenizer's
+    padding side is restored afterwards). Rows that stop early (EOS, a stop string) are filled
+    with the pad id after their end. `generate_kwargs` go to `generate` as they are (greedy:
+    `do_sample=False`; sampling: `do_sample=True, temperature=..., top_p=...`).
+    """
+    eos = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:
-        # disable=None: a bar on a terminal only, so logs of batch jobs stay clean
-        bar = tqdm(
-            total=len(prompts), desc="generate", unit="q", disable=None if progress is None else not progress
-        )
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            enc = tokenizer(
-                [prompts[i] for i in idx],
-                return_tensors="pt",
-                padding=True,
-                add_special_tokens=add_special_tokens,
-            ).to(device)
-            prompt_len = enc["input_ids"].shape[1]
-            stopping = StoppingCriteriaList([StopOnStrings(tokenizer, stop_strings, prompt_len)])
-            generated = model.generate(
-                input_ids=enc["input_ids"],  # [B, T_prompt], left-padded
-                attention_mask=enc["attention_mask"],
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                num_beams=1,
-                pad_token_id=pad_id,
-                eos_token_id=eos or None,
-                stopping_criteria=stopping,
-            )  # [B, T_prompt + T_new]
-            texts = tokenizer.batch_decode(generated[:, prompt_len:], skip_special_tokens=True)
-            for i, text in zip(idx, texts):
-                out[i] = truncate_at_stop(text, stop_strings)
-            bar.update(len(idx))
-        bar.close()
+        enc = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=add_special_tokens)
     finally:
         tokenizer.padding_side = side
-    return out
+    enc = enc.to(model_device(model))
+    prompt_len = enc["input_ids"].shape[1]
+    generated = model.generate(
+        input_ids=enc["input_ids"],  # [B, T_prompt], left-padded
+        attention_mask=enc["attention_mask"],
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id,
+        eos_token_id=eos or None,
+        stopping_criteria=StoppingCriteriaList([StopOnStrings(tokenizer, stop_strings, prompt_len)]),
+        **generate_kwargs,
+    )  # [B, T_prompt + T_new]
+    return generated[:, prompt_len:]
 
 
 # ----------------------------------------------------------------------------- perplexity
