@@ -15,7 +15,8 @@ benchmark, `benchmarks/bench_<name>.py`, each exposing::
 that measures time against a floor (the work no implementation can skip) also stores the ratio
 as `over_floor` (time / floor, lower is better, passed when <= target); one that measures a
 speed-up against a slower way stores `speedup` (baseline / time, higher is better, passed when
->= target). The README names which one each headline is.
+>= target); `bench_logits` stores `mem_over_ce` (peak extra memory / CE alone's, lower is better).
+The README names which one each headline is.
 
 Each benchmark's output goes to `<out>/<name>.json`; `<out>/README.md` is rebuilt from *all*
 JSON files in `<out>`, so `--only cka` refreshes one section and keeps the others.
@@ -55,6 +56,7 @@ README_NAME = "README.md"
 HEADLINES = {
     "over_floor": ("≤", "time / floor, lower is better"),
     "speedup": ("≥", "baseline time / time, higher is better"),
+    "mem_over_ce": ("≤", "peak extra memory / CE alone's, lower is better"),
 }
 
 

@@ -43,19 +43,55 @@ def _logits(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     return (x if weight is None else F.linear(x, weight, bias)).float()
 
 
-def _chunk_loss(z: Tensor, targets: Tensor, teachers: list[Tensor], kd_w: Tensor, ce_scale: float,
+def _rowdot(a: Tensor, b: Tensor) -> Tensor:
+    """`(a * b).sum(-1)` `[n]` of two `[n, V]` without an `[n, V]` product temporary."""
+    return torch.bmm(a[:, None], b[:, :, None])[:, 0, 0]
+
+
+def _chunk_grad(z: Tensor, targets: Tensor, teachers: list, sl: slice, kd_w: Tensor, ce_scale: float,
                 kd_scale: float, beta: float, temperature: float, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
-    """`(total, ce_sum, kd_sum)` of one chunk: student logits `z [n, V_s]`, teacher logits `[n, V_t]` each,
-    per-teacher token weights `kd_w [K, n]` (0: not distilled)."""
-    ce = F.cross_entropy(z, targets, ignore_index=-100, reduction="sum") if ce_scale else z.new_zeros(())
+    """`(d total / d z, ce_sum, kd_sum)` of one chunk: student logits `z [n, V_s]`, the teachers' heads
+    (`TeacherHead`, rows `sl`), per-teacher token weights `kd_w [K, n]` (0: not distilled).
+
+    CE, forward and reverse KL have their gradients in closed form, computed in place (a handful of
+    `[n, V]` buffers: memory is the point of chunking); the generalized JSD's mixture goes through autograd.
+    """
+    T = temperature
+    valid = (targets != -100).float()  # [n]
+    tgt = targets.clamp(min=0)[:, None]  # [n, 1]
+    lse = torch.logsumexp(z, -1)  # [n]
+    ce = ((lse - z.gather(1, tgt)[:, 0]) * valid).sum()
+    g = (z - lse[:, None]).exp_()  # [n, V_s] softmax: d CE / dz = softmax - onehot
+    g.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=g.dtype)).mul_((valid * ce_scale)[:, None])
     kd = z.new_zeros(())
-    if teachers:
-        s = F.log_softmax(z[:, :vocab] / temperature, -1)  # [n, V]
-        for t, w in zip(teachers, kd_w):
-            t = F.log_softmax(t[:, :vocab].float() / temperature, -1)  # [n, V]
-            kd = kd + (generalized_jsd(s, t, beta) * w).sum()
-        kd = kd * temperature**2
-    return ce_scale * ce + kd_scale * kd, ce, kd
+    if not teachers:
+        return g, ce, kd
+    ls = F.log_softmax(z[:, :vocab] / T, -1)  # [n, V] student log-probs
+    z_kd = z[:, :vocab].detach() if 0.0 < beta < 1.0 else None  # the JSD's autograd needs the logits
+    del z  # the caller passed its only reference: one [n, V_s] buffer fewer from here on
+    gv = g[:, :vocab]  # the KD gradient lands on the first `vocab` logits
+    for (x, w, b), wk in zip(teachers, kd_w):
+        lt = F.log_softmax(_logits(x[sl], w, b)[:, :vocab] / T, -1)  # [n, V] teacher log-probs
+        c = (kd_scale * T * wk)[:, None]  # [n, 1]: T² × (1/T) of d(z/T)/dz, times the token's weight
+        if beta == 0.0:  # forward KL(t || s) = sum p_t log p_t - sum p_t log p_s; d/dz = (p_s - p_t) / T
+            pt = lt.exp()
+            div = _rowdot(pt, lt)  # [n]
+            del lt
+            div = div - _rowdot(pt, ls)
+            gv.add_(pt.sub_(ls.exp()).mul_(-c))
+        elif beta == 1.0:  # reverse KL(s || t): d/dz = p_s (log p_s - log p_t - KL) / T
+            ps, d = ls.exp(), lt.neg_().add_(ls)  # d = log p_s - log p_t
+            div = _rowdot(ps, d)
+            gv.add_(d.sub_(div[:, None]).mul_(ps).mul_(c))
+        else:
+            zz = z_kd.requires_grad_()
+            with torch.enable_grad():
+                div = generalized_jsd(F.log_softmax(zz / T, -1), lt, beta)  # [n]
+                (gz,) = torch.autograd.grad((div * wk).sum() * kd_scale * T**2, zz)
+            gv.add_(gz)
+            div = div.detach()
+        kd = kd + (div * wk).sum() * T**2
+    return g, ce, kd
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -68,35 +104,33 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden) if need_h else None  # [N, d]
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # [V_s, d]
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None  # [V_s]
-        total = ce_sum = kd_sum = hidden.new_zeros((), dtype=torch.float32)
+        ce_sum = kd_sum = hidden.new_zeros((), dtype=torch.float32)
         for lo in range(0, hidden.shape[0], chunk):
             sl = slice(lo, lo + chunk)
             h = hidden[sl]  # [n, d]
-            z = F.linear(h, weight, bias).float().requires_grad_()  # [n, V_s]: only this chunk's logits live
-            t = [_logits(x[sl], w, b) for x, w, b in teachers]  # [n, V_t] each
-            with torch.enable_grad():
-                loss, ce, kd = _chunk_loss(z, targets[sl], t, kd_w[:, sl], ce_scale, kd_scale, beta,
-                                           temperature, vocab)
-                (g,) = torch.autograd.grad(loss, z)  # [n, V_s] dloss/dlogits
+            # only this chunk's logits [n, V_s] live, and only inside _chunk_grad (which frees them early)
+            g, ce, kd = _chunk_grad(F.linear(h, weight, bias).float(), targets[sl], teachers, sl, kd_w[:, sl], ce_scale, kd_scale, beta,
+                                    temperature, vocab)
             if need_h:
                 grad_h[sl] = g.to(weight.dtype) @ weight  # [n, d]
             if need_w:
                 grad_w.addmm_(g.T, h.float())  # [V_s, d]
             if need_b:
                 grad_b += g.sum(0)
-            total, ce_sum, kd_sum = total + loss.detach(), ce_sum + ce.detach(), kd_sum + kd.detach()
+            ce_sum, kd_sum = ce_sum + ce, kd_sum + kd
         ctx.save_for_backward(grad_h, grad_w, grad_b)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(ce_sum, kd_sum)
-        return total, ce_sum, kd_sum
+        return ce_scale * ce_sum + kd_scale * kd_sum, ce_sum, kd_sum
 
     @staticmethod
     def backward(ctx, grad_total, _grad_ce, _grad_kd):
-        grad_h, grad_w, grad_b = ctx.saved_tensors  # d total / d input, for grad_total = 1
-        w_dtype, b_dtype = ctx.dtypes
-        grad_h = None if grad_h is None else grad_h * grad_total.to(grad_h.dtype)
-        grad_w = None if grad_w is None else (grad_w * grad_total).to(w_dtype)
-        grad_b = None if grad_b is None else (grad_b * grad_total).to(b_dtype)
+        grads = ctx.saved_tensors  # d total / d (hidden, weight, bias), for grad_total = 1
+        one = bool(grad_total == 1)  # the usual case (loss.backward()): no [V, d]-sized copy
+        grad_h, grad_w, grad_b = (
+            None if g is None else (g if one else g * grad_total).to(dtype)
+            for g, dtype in zip(grads, ctx.dtypes)
+        )
         return grad_h, grad_w, grad_b, *([None] * 9)
 
 
