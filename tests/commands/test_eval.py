@@ -33,13 +33,16 @@ def test_cli_writes_items_and_summary(tiny_world, tmp_path, capsys):
     )
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("accuracy", "ci_low", "ci_high", "n", "perplexity", "model"):
+    for key in ("accuracy", "ci_low", "ci_high", "n", "perplexity", "model", "answer_nll"):
         assert key in summary
     assert summary["n"] == 4 and summary["model"] == str(tiny_world.models["gpt2"])
     assert math.isfinite(summary["perplexity"]) and summary["perplexity"] > 1
     rows = read_items(out)
     assert len(rows) == 4 and all(isinstance(r["correct"], bool) for r in rows)
-    assert "accuracy" in capsys.readouterr().out
+    # per-item answer NLL beside exact match; the summary holds their mean
+    assert all(r["answer_nll"] > 0 and r["answer_tokens"] >= 1 for r in rows)
+    assert summary["answer_nll"] == pytest.approx(sum(r["answer_nll"] for r in rows) / 4)
+    assert "answer NLL" in capsys.readouterr().out
 
 
 def test_resolve_model_dir(tmp_path):
@@ -103,3 +106,17 @@ def test_privileged_student_perplexity_is_on_the_text_it_read(tiny_world, tmp_pa
     assert short["student_input"] == "no_rationale" and full["student_input"] == "full"
     assert short["target_tokens"] < full["target_tokens"]  # the rationale is not scored
     assert [i["gold"] for i in short["items"]] == [i["gold"] for i in full["items"]]
+
+
+def test_eval_requires_data():
+    """No silent default dataset: `--data` left out is an error naming the flag."""
+    with pytest.raises(ConfigError, match="no data: pass --data"):
+        main(["--model", "some/model"])
+
+
+def test_no_answer_nll_flag(tiny_world, tmp_path):
+    argv = ["--model", str(tiny_world.models["student"]), "--data", str(tiny_world.data_dir), "--limit", "2",
+            "--max_new_tokens", "2", "--no_perplexity", "--no_answer_nll", "--no_progress", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["answer_nll"] is None
+    assert "answer_nll" not in read_items(tmp_path)[0]

@@ -11,9 +11,11 @@ from kvdistill.data import format_prompt, load_records, pad_batch, tokenize_exam
 from kvdistill.evaluate.answers import gold_answer
 from kvdistill.evaluate.scoring import (
     StopOnStrings,
+    answer_context,
     default_stop_strings,
     evaluate_model,
     generate_completions,
+    gold_answer_nll,
     read_items,
     reference_perplexity,
     score_completions,
@@ -162,3 +164,52 @@ def test_saved_student_loads_like_lm_eval_hf(tiny_world):
     tok = AutoTokenizer.from_pretrained(path)
     ids = tok("Question: 1 + 1?\nAnswer:", return_tensors="pt")["input_ids"]
     assert model(ids).logits.shape[:2] == ids.shape
+
+
+# ----------------------------------------------------------------------------- answer NLL
+
+
+def test_answer_context_is_the_training_format():
+    p = "Question: q\nAnswer:"
+    assert answer_context(p, " 3 + 4 = 7.\n#### 7\n#### 9") == p + " 3 + 4 = 7.\n#### "  # own rationale, cut at ####
+    assert answer_context(p, " so it is 7") == p + " so it is 7\n#### "  # no marker: all rationale
+    assert answer_context(p, " #### 7") == p + "\n#### "  # no rationale: as format_example writes "#### n"
+    assert answer_context(p, "") == p + "\n#### "
+
+
+def test_answer_nll_equals_hand_summed_log_probs(tiny_world, tok):
+    """One padded batch of three lengths == per text, unpadded: -sum log p(answer token | prefix) from the
+    model's own logits, the answer tokens found by growing the decoded prefix past the context."""
+    model = load_model(tiny_world.models["qwen2_teacher"], dtype="fp32")
+    contexts = ["Question: 2 + 2?\nAnswer:\n#### ", "Question: Tom has 12 apples and eats 5.\nAnswer: 12 - 5 = 7\n#### ",
+                "Q: x\n#### ", "Q: fruit?\n#### "]
+    answers = ["4", "7", "1,250", "apples"]  # " a" is one token across the boundary: it counts
+    got = gold_answer_nll(model, tok, contexts, answers, batch_size=4)
+    for (nll, n), c, a in zip(got, contexts, answers):
+        ids = tok(c + a)["input_ids"]
+        # first token whose prefix decodes past the context: it holds an answer character
+        first = next(i for i in range(len(ids)) if len(tok.decode(ids[: i + 1])) > len(c))
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)  # [T, V]
+        hand = -sum(float(logp[t - 1, ids[t]]) for t in range(first, len(ids)))
+        assert n == len(ids) - first and n >= 1
+        assert nll == pytest.approx(hand, rel=1e-4)
+    (alone, _), = gold_answer_nll(model, tok, contexts[:1], answers[:1])  # unbatched: no padding
+    assert alone == pytest.approx(got[0][0], rel=1e-5)
+    with pytest.raises(ValueError):
+        gold_answer_nll(model, tok, contexts, answers[:2])
+
+
+def test_evaluate_model_writes_per_item_answer_nll(tiny_world, tok, records):
+    model = load_model(tiny_world.models["qwen2_teacher"], dtype="fp32")
+    recs = records[:4]
+    out = evaluate_model(model, tok, recs, batch_size=2, max_new_tokens=6, perplexity=False, answer_nll=True,
+                         progress=False)
+    prompts = [format_prompt(r["question"]) for r in recs]
+    want = gold_answer_nll(model, tok, [answer_context(p, it["prediction"]) for p, it in zip(prompts, out["items"])],
+                           [r["answer"].rsplit("####", 1)[1].strip() for r in recs])
+    assert [it["answer_tokens"] for it in out["items"]] == [n for _, n in want]
+    assert [it["answer_nll"] for it in out["items"]] == pytest.approx([v for v, _ in want], rel=1e-5)
+    assert out["answer_nll"] == pytest.approx(sum(n for n, _ in want) / 4)
+    off = evaluate_model(model, tok, recs, batch_size=2, max_new_tokens=6, perplexity=False, progress=False)
+    assert off["answer_nll"] is None and "answer_nll" not in off["items"][0]

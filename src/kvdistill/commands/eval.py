@@ -1,8 +1,8 @@
-"""`kvdistill eval`: GSM8K-style accuracy and held-out perplexity of any HF causal LM.
+"""`kvdistill eval`: GSM8K-style accuracy, answer NLL and held-out perplexity of any HF causal LM.
 
 Loads a model (Hub id, model dir, or a kvdistill run / checkpoint dir, whose training prompt
 settings are reused), scores it with `kvdistill.evaluate.scoring` and writes `items.jsonl` +
-`summary.json`.
+`summary.json`. `--data` is required: there is no default dataset.
 
 Example:
     kvdistill eval --model runs/student --data synthetic --limit 200 --output_dir runs/student/eval
@@ -27,7 +27,7 @@ class EvalConfig:
     """Options of `kvdistill eval`."""
 
     model: str | None = option(None, "Hub id, local model dir, or kvdistill run/checkpoint dir. Required.")
-    data: str = option("synthetic", "Hub id, local jsonl/json/parquet file or dir, or 'synthetic'.")
+    data: str | None = option(None, "Hub id, local jsonl/json/parquet file or dir, or 'synthetic'. Required.")
     split: str = option("test", "Dataset split.")
     field_map: str | None = option(None, 'Column map: a name (gsm8k, svamp, math) or {"question": col, "answer": col}.')
     limit: int | None = option(None, "Evaluate only the first N questions.")
@@ -39,6 +39,8 @@ class EvalConfig:
                                        "default: as the kvdistill run was trained, else auto.")
     stop: list[str] | None = option(None, "Stop strings; default: newline + the template text before {question}.")
     no_perplexity: bool = option(False, "Skip the reference perplexity.")
+    no_answer_nll: bool = option(False, "Skip the answer NLL (the gold answer's NLL after the model's own "
+                                 "rationale; one more forward per batch).")
     max_length: int = option(512, "Token limit of the perplexity examples.")
     dtype: str = option("auto", "auto | fp32 | bf16 | fp16.")
     device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda if available).")
@@ -56,6 +58,8 @@ class EvalConfig:
         if self.chat_template is not None:
             check_choice("chat_template", self.chat_template, CHAT_MODES)
         self.field_map = to_plain(self.field_map)
+        if not self.data:
+            raise ConfigError("no data: pass --data <Hub id, jsonl/json/parquet file or dir, or 'synthetic'>")
 
 
 # ----------------------------------------------------------------------------- model dirs
@@ -152,7 +156,7 @@ def check_lengths(model: Any, tokenizer: Any, records: list[dict], name: str, da
 def run_eval(
     model_path: str | Path,
     *,
-    data: str = "synthetic",
+    data: str,
     split: str = "test",
     field_map: Any = None,
     limit: int | None = None,
@@ -164,7 +168,8 @@ def run_eval(
 ) -> dict[str, Any]:
     """Load a model (Hub id, model dir or kvdistill run dir) and data, evaluate, write to `out`.
 
-    `kwargs` go to `evaluate_model` (batch_size, max_new_tokens, template, chat_template, ...).
+    `kwargs` go to `evaluate_model` (batch_size, max_new_tokens, template, chat_template, ...);
+    the answer NLL is on unless `answer_nll=False`.
     `template` / `chat_template` left out (or None) come from the run's training config when
     `model_path` is a kvdistill run, else the defaults (plain template, chat template if any).
     """
@@ -189,7 +194,7 @@ def run_eval(
     check_vocab(model, tokenizer, model_dir)
     check_lengths(model, tokenizer, records, model_dir, str(data), kwargs)
     log(f"eval: {model_dir} on {data}:{split} ({len(records)} questions, device {device})")
-    result = evaluate_model(model, tokenizer, records, **kwargs)
+    result = evaluate_model(model, tokenizer, records, **{"answer_nll": True, **kwargs})
     result.update(
         {
             "model": str(model_path),
@@ -217,12 +222,13 @@ def main(argv: list[str]) -> int:
         cfg.model, data=cfg.data, split=cfg.split, field_map=cfg.field_map, limit=cfg.limit, out=cfg.output_dir,
         dtype=cfg.dtype, device=cfg.device, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
         template=cfg.template, chat_template=cfg.chat_template, stop_strings=cfg.stop,
-        perplexity=not cfg.no_perplexity, max_length=cfg.max_length, progress=False if cfg.no_progress else None,
+        perplexity=not cfg.no_perplexity, answer_nll=not cfg.no_answer_nll, max_length=cfg.max_length, progress=False if cfg.no_progress else None,
     )
-    ppl = result["perplexity"]
+    ppl, nll = result["perplexity"], result["answer_nll"]
     print(
         f"accuracy {result['accuracy']:.4f} ({result['n_correct']}/{result['n']}), "
         f"95% CI [{result['ci_low']:.4f}, {result['ci_high']:.4f}]"
+        + (f", answer NLL {nll:.3f}" if nll is not None else "")
         + (f", perplexity {ppl:.3f}" if ppl is not None else "")
     )
     return 0

@@ -1,4 +1,4 @@
-"""Scoring a causal LM: GSM8K-style accuracy and held-out perplexity (used by `kvdistill eval`).
+"""Scoring a causal LM: GSM8K-style accuracy, answer NLL and held-out perplexity (used by `kvdistill eval`).
 
 Accuracy: batched greedy generation (left padding, so every prompt ends at the same column
 and the new tokens start together), stopped per row on EOS or on a stop string (the next
@@ -8,6 +8,13 @@ number) and exact match against the gold `#### n`, with a Wilson 95 % interval.
 Perplexity: CE over the reference rationale + answer tokens given the prompt, tokenised
 exactly as in training (`kvdistill.data.tokenize_example`: same template, same EOS), so a
 student's held-out perplexity is comparable with its training CE.
+
+Answer NLL (a continuous companion of exact match): the gold final answer's negative
+log-likelihood, teacher-forced after the prompt and the model's *own* greedy rationale, i.e. of
+the gold tokens in `prompt + " " + rationale + "\n#### " + gold` (the training format), where
+`rationale` is the generated text before its first `####` (all of it when it has none; nothing
+when the model went straight to `####`, giving `prompt + "\n#### " + gold`). Summed over the
+tokens that hold a character of `gold` (a `" 42"` token counts; EOS does not), in nats.
 
 Example:
     >>> result = evaluate_model(model, tokenizer, records, batch_size=16)
@@ -28,11 +35,18 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from kvdistill.data import DEFAULT_TEMPLATE, format_prompt, pad_batch, tokenize_example
+from kvdistill.data import (
+    ANSWER_MARKER,
+    DEFAULT_TEMPLATE,
+    format_prompt,
+    pad_batch,
+    split_answer,
+    tokenize_example,
+)
 from kvdistill.evaluate.answers import extract_answer, gold_answer, is_correct
 from kvdistill.evaluate.stats import wilson_interval
 from kvdistill.io import write_json_atomic, write_text_atomic
-from kvdistill.models import model_device
+from kvdistill.models import max_positions, model_device
 
 CHAT_MODES = ("auto", "on", "off")
 
@@ -236,6 +250,69 @@ def reference_perplexity(
     return {"perplexity": math.exp(min(mean, 700.0)), "nll": mean, "tokens": total_tokens}
 
 
+# ----------------------------------------------------------------------------- answer NLL
+
+
+def answer_context(prompt: str, completion: str) -> str:
+    """The text the gold answer is scored after: `prompt + " " + rationale + "\n#### "`.
+
+    `rationale` is the completion before its first `####` (the whole completion when it has
+    none), stripped; an empty one leaves `prompt + "\n#### "`, as training formats a record
+    without rationale (`kvdistill.data.format_example`).
+    """
+    rationale = completion.split(ANSWER_MARKER, 1)[0].strip()
+    return f"{prompt}{' ' + rationale if rationale else ''}\n{ANSWER_MARKER} "
+
+
+@torch.no_grad()
+def gold_answer_nll(
+    model: Any,
+    tokenizer: Any,
+    contexts: Sequence[str],
+    answers: Sequence[str],
+    *,
+    batch_size: int = 8,
+    add_special_tokens: bool = True,
+) -> list[tuple[float, int]]:
+    """Teacher-forced NLL of each `answers[i]` right after `contexts[i]`, one forward per batch.
+
+    The pair is tokenised as one text (so `"#### " + "42"` gives the tokens the model would
+    write); a token is an answer token when its last character lies in the answer. A text
+    longer than the model's positions keeps its last tokens.
+
+    Returns:
+        `[N]` pairs `(nll, tokens)`: nats summed over the answer tokens, and their count.
+    """
+    if len(contexts) != len(answers):
+        raise ValueError(f"{len(contexts)} contexts but {len(answers)} answers")
+    device = model_device(model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    limit = max_positions(model) if hasattr(model, "config") else None
+    out: list[tuple[float, int]] = []
+    for start in range(0, len(contexts), batch_size):
+        ctx, ans = contexts[start : start + batch_size], answers[start : start + batch_size]
+        enc = tokenizer([c + a for c, a in zip(ctx, ans)], add_special_tokens=add_special_tokens,
+                        return_offsets_mapping=True)
+        rows, targets = [], []
+        for ids, offsets, c in zip(enc["input_ids"], enc["offset_mapping"], ctx):
+            # last character (end - 1) inside the answer; special tokens have empty spans
+            is_answer = [e > len(c) and e > s for s, e in offsets]
+            ids, is_answer = ids[-limit:] if limit else ids, is_answer[-limit:] if limit else is_answer
+            rows.append(torch.tensor(ids))
+            targets.append(torch.where(torch.tensor(is_answer, dtype=torch.bool), torch.tensor(ids), -100))
+        input_ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id)  # [B, T]
+        labels = torch.nn.utils.rnn.pad_sequence(targets, batch_first=True, padding_value=-100)  # [B, T]
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows],
+                                               batch_first=True)  # [B, T], right padding
+        logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits.float()  # [B, T, V]
+        labels = labels.to(device)[:, 1:]  # [B, T-1]: token t+1 is predicted at t
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), labels, ignore_index=-100, reduction="none"
+        )  # [B, T-1], 0 where ignored
+        out += [(float(v), int(n)) for v, n in zip(nll.sum(1), (labels != -100).sum(1))]
+    return out
+
+
 # ----------------------------------------------------------------------------- scoring
 
 
@@ -289,6 +366,7 @@ def evaluate_model(
     chat_template: str = "auto",
     stop_strings: Sequence[str] | None = None,
     perplexity: bool = True,
+    answer_nll: bool = False,
     max_length: int = 512,
     progress: bool | None = None,
 ) -> dict[str, Any]:
@@ -302,6 +380,9 @@ def evaluate_model(
         chat_template: "auto" (use the tokenizer's chat template if it has one), "on", "off".
         stop_strings: cut generation here; default from the template (`"\\nQuestion:"`).
         perplexity: also compute the reference perplexity.
+        answer_nll: also score each gold answer's NLL after the model's own rationale
+            (`gold_answer_nll`; per item `answer_nll`, `answer_tokens`; summary `answer_nll`, the
+            mean over items).
 
     Returns:
         the summary dict (`accuracy, ci_low, ci_high, n, n_correct, n_no_answer, perplexity,
@@ -325,6 +406,19 @@ def evaluate_model(
     )
     items, summary = score_completions(records, completions)
     summary["generate_seconds"] = time.perf_counter() - t0
+    summary["answer_nll"] = None
+    if answer_nll and records:
+        scored = gold_answer_nll(
+            model,
+            tokenizer,
+            [answer_context(p, c) for p, c in zip(prompts, completions)],
+            [split_answer(str(r["answer"]))[1] for r in records],
+            batch_size=batch_size,
+            add_special_tokens=not chat,
+        )
+        for item, (nll, tokens) in zip(items, scored):
+            item["answer_nll"], item["answer_tokens"] = nll, tokens
+        summary["answer_nll"] = sum(nll for nll, _ in scored) / len(scored)
     ppl: dict[str, float | None] = {"perplexity": None, "nll": None, "tokens": None}
     if perplexity and records:
         ppl = reference_perplexity(
