@@ -11,7 +11,15 @@ import torch
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING
 from kvdistill.losses import KVLoss, RelationKVLoss, aligned_kv_loss, build_kv_loss, relation
 from kvdistill.losses.kv import token_weights
-from kvdistill.losses.relation import _FILL, _row_kl_terms, _RowKL, fused_row_kl_terms
+from kvdistill.losses.relation import (
+    _FILL,
+    _row_kl_terms,
+    _RowKL,
+    fused_row_kl_terms,
+    parse_rows,
+    row_logits,
+    select_rows,
+)
 
 SEG_W = {PROMPT: 0.0, REASONING: 2.0, ANSWER: 0.5}
 
@@ -239,7 +247,7 @@ def test_row_kl_hand_written_backward_passes_gradcheck():
     bias[2] = _FILL  # no key at all
 
     def fn(rows, keys):
-        return _RowKL.apply(rows, keys, t_rows, t_keys, bias, None)
+        return _RowKL.apply(rows, keys, bias, row_logits(t_rows, t_keys, bias), None, None)
 
     assert torch.autograd.gradcheck(fn, (s_rows.requires_grad_(True), s_keys.requires_grad_(True)))
     s_keys.grad = None
@@ -323,3 +331,35 @@ def test_compile_failure_falls_back_to_the_eager_ops(monkeypatch, caplog):
         assert loss.item() == pytest.approx(_reference(s, t, mask, seg, R=2), rel=1e-5)
     finally:
         fused_row_kl_terms.cache_clear()
+
+
+def test_parse_and_select_rows():
+    seg = torch.tensor([[PROMPT, REASONING, ANSWER, ANSWER, PAD]])
+    assert parse_rows("all") is None and select_rows("all", seg) is None
+    assert parse_rows("answer") == (ANSWER,) and parse_rows(" prompt, answer ") == (PROMPT, ANSWER)
+    assert select_rows("answer", seg).tolist() == [[False, False, True, True, False]]
+    assert select_rows("prompt,reasoning", seg).tolist() == [[True, True, False, False, False]]
+    field = torch.tensor([[1, 0, -100, 1, -100]])  # a 0/1 mask; -100 where no span covers the token
+    assert select_rows("field:result", seg, {"result": field}).tolist() == [[True, False, False, True, False]]
+    for bad in ("answers", "", "field:", "prompt,,x"):
+        with pytest.raises(ValueError, match="relation_rows"):
+            parse_rows(bad)
+    with pytest.raises(ValueError, match="no token field 'result'"):
+        select_rows("field:result", seg, {"other": field})
+
+
+def test_rows_select_the_loss_and_split_the_metrics():
+    """The loss reads only the selected rows (the reference over them); the metrics split the rest."""
+    s, t, mask, seg = _batch()
+    rows = select_rows("reasoning,answer", seg)
+    fn = RelationKVLoss(relation_heads=2, chunk_size=4)
+    loss, m = fn(s, t, mask, seg, rows=rows)
+    # rows outside the selection are still keys, so the reference keeps them as keys and weighs them 0
+    expected = _reference(s, t, mask, seg, R=2, seg_w={PROMPT: 0.0})
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert float(m["relation_kl_selected"]) == pytest.approx(loss.item(), rel=1e-5)
+    assert float(m["relation_kl_other"]) == pytest.approx(_reference(s, t, mask, seg, R=2,
+                                                                      seg_w={REASONING: 0.0, ANSWER: 0.0}), rel=1e-5)
+    _, m_all = fn(s, t, mask, seg)
+    assert "relation_kl_other" not in m_all and float(m_all["relation_kl_selected"]) == pytest.approx(
+        float(m_all["relation_kl"]))
