@@ -6,10 +6,12 @@
 | `relation` | MiniLMv2-style self-relation KL over time, no projector (`RelationKVLoss`) |
 | `logits` | the student's LM cross-entropy, logit KD (forward/reverse KL, generalized JSD) |
 | `chunked` | CE + logit KD from hidden states a chunk of tokens at a time (`chunked_head_loss`) |
+| `cross_vocab` | logit KD across tokenizers: shared boundaries, shared tokens, ULD sorted probabilities |
 | `hidden` | CODI hidden-state alignment at the answer marker |
 """
 
 from kvdistill.losses.chunked import chunked_head_loss, resolve_chunk_tokens
+from kvdistill.losses.cross_vocab import cross_vocab_kd_sum, shared_boundaries, vocab_intersection
 from kvdistill.losses.hidden import answer_position, codi_sum
 from kvdistill.losses.kv import LOSSES, KVLoss, aligned_kv_loss, build_kv_loss
 from kvdistill.losses.logits import LOGIT_KD_KINDS, generalized_jsd, logit_kd_sum, token_ce_sum
@@ -25,8 +27,11 @@ __all__ = [
     "build_kv_loss",
     "chunked_head_loss",
     "codi_sum",
+    "cross_vocab_kd_sum",
     "generalized_jsd",
     "logit_kd_sum",
     "resolve_chunk_tokens",
+    "shared_boundaries",
     "token_ce_sum",
+    "vocab_intersection",
 ]
