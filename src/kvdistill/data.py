@@ -12,7 +12,7 @@ import json
 import os
 import warnings
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -379,10 +379,12 @@ def pad_batch(features: Sequence[Mapping[str, Tensor]], pad_id: int, side: str =
 
 @dataclass
 class TeacherView:
-    """How one teacher sees an example: its own tokenizer and/or its own rationale column."""
+    """How one teacher sees an example: its own tokenizer and/or its own rationale column, and
+    `rewrite`, a record -> record map applied before it tokenizes (`teacher_control: permuted`)."""
 
     tokenizer: Any
     rationale_field: str | None = None
+    rewrite: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
 
 
 @dataclass
@@ -458,7 +460,8 @@ class DistillCollator:
         batch["labelled"] = torch.arange(len(records)) < n_labelled  # [B]
         teacher_inputs = {}
         for name, view in self.teachers.items():
-            enc = self._encode(name, view.tokenizer, records, view.rationale_field)
+            seen = records if view.rewrite is None else [view.rewrite(r) for r in records]
+            enc = self._encode(name, view.tokenizer, seen, view.rationale_field)
             enc.pop("labels")
             teacher_inputs[name] = enc
         if teacher_inputs:
