@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, pipeline
 from kvdistill.card import CARD_FILE, card_info, read_card_info, record_evaluation, render_card, write_card
 from kvdistill.commands.eval import main as eval_main
 from kvdistill.commands.train import main as train_main
+from kvdistill.train.config import card_sections
 
 CONFIG = {
     "student": "Qwen/Qwen2.5-0.5B", "output_dir": "runs/qwen-kv", "time_mode": "segment", "layer_map": "cka",
@@ -18,13 +19,14 @@ CONFIG = {
 }
 TEACHERS = [{"name": "qwen2-7b", "path": "Qwen/Qwen2-7B", "config_hash": "abc123", "weight": 0.75},
             {"name": "llama", "path": "/models/llama", "config_hash": "def456", "weight": 0.25}]
+SECTIONS = card_sections()
 RESULT = {"data": "openai/gsm8k", "split": "test", "n": 1319, "n_correct": 300, "accuracy": 300 / 1319,
           "ci_low": 0.205, "ci_high": 0.251, "perplexity": 3.2, "max_new_tokens": 256, "chat_template": False}
 
 
 def test_card_states_base_model_teachers_recipe_data_and_steps():
     maps = {"qwen2-7b": torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]), "llama": [[1.0, 0.0], [0.3, 0.7]]}
-    card = render_card(card_info(CONFIG, TEACHERS, step=400, layer_maps=maps))
+    card = render_card(card_info(CONFIG, TEACHERS, SECTIONS, step=400, layer_maps=maps))
     text = card.text
     assert card.data.base_model == "Qwen/Qwen2.5-0.5B" and card.data.pipeline_tag == "text-generation"
     for teacher in TEACHERS:
@@ -39,7 +41,7 @@ def test_card_states_base_model_teachers_recipe_data_and_steps():
 
 
 def test_evaluations_are_recorded_replaced_and_kept_in_the_model_index(tmp_path):
-    write_card(tmp_path, CONFIG, TEACHERS, step=400)
+    write_card(tmp_path, CONFIG, TEACHERS, SECTIONS, step=400)
     record_evaluation(tmp_path, RESULT)
     record_evaluation(tmp_path, {**RESULT, "n": 100, "accuracy": 0.5, "ci_low": 0.4, "ci_high": 0.6})
     record_evaluation(tmp_path, {**RESULT, "accuracy": 0.25})  # same data, split and n: replaces the first
@@ -51,7 +53,7 @@ def test_evaluations_are_recorded_replaced_and_kept_in_the_model_index(tmp_path)
     metrics = [(m["name"], m["value"]) for r in meta["model-index"][0]["results"] for m in r["metrics"]]
     assert metrics == [("accuracy (n=100)", 0.5), ("accuracy (n=1319)", 0.25)]
     assert "| openai/gsm8k | test | 1319 | 0.250 | [0.205, 0.251] | 3.2 | 256 |" in card_text
-    write_card(tmp_path, CONFIG, TEACHERS, step=500)  # new weights: no stale result
+    write_card(tmp_path, CONFIG, TEACHERS, SECTIONS, step=500)  # new weights: no stale result
     assert read_card_info(tmp_path)["evaluations"] == []
 
 

@@ -6,7 +6,7 @@ evaluations — so `kvdistill eval` can add a result and re-render the card from
 Hub's `model-index` (`eval_results`) is derived from the evaluations.
 
 Example:
-    >>> write_card("runs/student", cfg.to_yaml_dict(), teacher_set.manifest(), step=1000)
+    >>> write_card("runs/student", cfg.to_yaml_dict(), teacher_set.manifest(), card_sections(), step=1000)
     >>> record_evaluation("runs/student", result)  # `kvdistill eval` does this with its result
 """
 
@@ -22,16 +22,9 @@ from kvdistill.io import write_text_atomic
 from kvdistill.report import fmt_num, fmt_sig, markdown_table
 
 CARD_FILE = "README.md"
-# the run options each section of the card shows (those absent from the config are left out)
-ALIGNMENT_KEYS = ("time_mode", "layer_map", "layer_map_k", "head_mode", "projector", "mlp_ratio", "share_layers",
-                  "direction", "key_space", "normalize_target", "segment_weights", "fusion", "student_input",
-                  "teacher_compression", "teacher_control", "teacher_capture")
-SIGNAL_KEYS = ("ce_weight", "kv_loss", "kv_weight", "kv_warmup_steps", "codi_weight", "logit_kd_weight",
-               "logit_kd_kind", "logit_kd_temperature")
-DATA_KEYS = ("data", "data_split", "field_map", "max_samples", "transfer_data", "transfer_split",
-             "transfer_max_samples", "max_length", "prompt_template", "use_chat_template")
-TRAINING_KEYS = ("max_steps", "learning_rate", "aligner_learning_rate", "weight_decay", "per_device_train_batch_size",
-                 "gradient_accumulation_steps", "bf16", "fp16", "seed")
+# the card's option sections; which options each shows is declared on the options (`card=` in
+# train/config.py) and handed to `card_info`
+SECTIONS = ("signals", "alignment", "data", "training")
 EVAL_KEYS = ("data", "split", "n", "n_correct", "accuracy", "ci_low", "ci_high", "perplexity", "max_new_tokens",
              "chat_template")
 
@@ -89,6 +82,7 @@ print(generator(prompt, max_new_tokens=256, do_sample=False)[0]["generated_text"
 def card_info(
     config: Mapping[str, Any],
     teachers: Sequence[Mapping[str, Any]],
+    sections: Mapping[str, Sequence[str]],
     *,
     step: int | None = None,
     layer_maps: Mapping[str, Any] | None = None,
@@ -98,6 +92,7 @@ def card_info(
     Args:
         config: the run's options (`KVDistillConfig.to_yaml_dict()`).
         teachers: the teacher manifest, `[{name, path, config_hash, weight}]`.
+        sections: `{section of SECTIONS: option names it shows}` (`train.config.card_sections()`).
         step: optimizer step of the saved weights.
         layer_maps: `{teacher: M [L_s, L_t]}` (tensor, array or nested lists).
 
@@ -105,8 +100,8 @@ def card_info(
         `{name, base_model, step, teachers, signals, alignment, layer_maps, data, training, evaluations}`;
         each layer map as, per student layer, `{teacher layer: weight}` of its non-zero weights.
     """
-    def pick(keys: Sequence[str]) -> dict[str, Any]:
-        return {k: config[k] for k in keys if k in config}
+    def pick(section: str) -> dict[str, Any]:
+        return {k: config[k] for k in sections.get(section, ()) if k in config}
 
     maps = {}
     for name, matrix in (layer_maps or {}).items():
@@ -117,11 +112,11 @@ def card_info(
         "base_model": config.get("student"),
         "step": step,
         "teachers": [{k: t.get(k) for k in ("name", "path", "config_hash", "weight")} for t in teachers],
-        "signals": pick(SIGNAL_KEYS),
-        "alignment": pick(ALIGNMENT_KEYS),
+        "signals": pick("signals"),
+        "alignment": pick("alignment"),
         "layer_maps": maps,
-        "data": pick(DATA_KEYS),
-        "training": pick(TRAINING_KEYS),
+        "data": pick("data"),
+        "training": pick("training"),
         "evaluations": [],
     }
 
@@ -166,6 +161,7 @@ def write_card(
     model_dir: str | Path,
     config: Mapping[str, Any],
     teachers: Sequence[Mapping[str, Any]],
+    sections: Mapping[str, Sequence[str]],
     *,
     step: int | None = None,
     layer_maps: Mapping[str, Any] | None = None,
@@ -174,7 +170,7 @@ def write_card(
 
     A new save starts with no evaluation: results of other weights must not carry over.
     """
-    info = card_info(config, teachers, step=step, layer_maps=layer_maps)
+    info = card_info(config, teachers, sections, step=step, layer_maps=layer_maps)
     return write_text_atomic(Path(model_dir) / CARD_FILE, str(render_card(info)))
 
 

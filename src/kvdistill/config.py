@@ -10,9 +10,12 @@ Range checks live in each dataclass's `__post_init__` and raise `ConfigError` be
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import inspect
+import math
 import os
+import re
 import sys
 import tempfile
 from dataclasses import MISSING, field, fields
@@ -29,12 +32,83 @@ class ConfigError(ValueError):
     """A configuration problem, raised before anything loads; the message names the fix."""
 
 
-def option(default: Any = MISSING, help: str = "", **metadata: Any) -> Any:
-    """A dataclass field with help text (`metadata["help"]`); list/dict defaults are copied per instance."""
+# What an option changes, declared once per option (`option(..., affects=ROLE)`). The commands derive
+# from it what they compare: a capture's identity (teacher_inputs, teacher_outputs), whether a
+# finished run is reused (all but bookkeeping), whether a run loads teachers (teacher_signal), and
+# the sections of `--help`. Pick the first role that fits.
+ROLES = {
+    "teacher_outputs": "what a teacher computes and a capture stores (a capture made with another value is refused)",
+    "teacher_inputs": "what teachers read (a capture of other tokens is refused: it stores a hash of them)",
+    "teacher_signal": "loss weights on teacher outputs (all 0: no teacher is loaded)",
+    "student_loss": "what the student learns and how (a finished run is reused only when these match)",
+    "bookkeeping": "where and how often a run writes (may change between a run and its resumption or reuse)",
+}
+OPTION_META = ("affects", "card", "valid")  # option() metadata beside `help`
+_BOUND = re.compile(r"(>=|>|<=|<)\s*(\S+)$")
+_INTERVAL = re.compile(r"in\s*([\[(])\s*(\S+)\s*,\s*(\S+)\s*([\])])$")
+
+
+def option(default: Any = MISSING, help: str = "", *, affects: str | None = None, card: str | None = None,
+           valid: str | None = None, **metadata: Any) -> Any:
+    """A dataclass field with help text (`metadata["help"]`); list/dict defaults are copied per instance.
+
+    affects: the option's role, a key of `ROLES`. card: the model-card section that shows it
+    (`card.py`), if any. valid: the numbers it accepts, checked by `check_ranges` (e.g. ">= 0", "> 0",
+    "in (0, 1]", ">= 1 or -1"; NaN and inf are never valid; None is valid only where it is the default).
+    """
+    if affects is not None and affects not in ROLES:
+        raise ValueError(f"affects={affects!r} is not one of {tuple(ROLES)}")
+    if valid is not None:
+        within(0, valid)  # a typo in the rule fails at import
     meta = {"help": help, **metadata}
+    meta.update({k: v for k, v in (("affects", affects), ("card", card), ("valid", valid)) if v is not None})
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: default.copy(), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def within(value: float, valid: str) -> bool:
+    """`value` is a finite number that satisfies `valid` (alternatives joined by " or ": a bound such as
+    ">= 0", an interval such as "in (0, 1]", or one number such as "-1")."""
+    ok = False
+    for part in valid.split(" or "):
+        part = part.strip()
+        if bound := _BOUND.match(part):
+            op, x = bound.group(1), float(bound.group(2))
+            ok |= {">=": value >= x, ">": value > x, "<=": value <= x, "<": value < x}[op]
+        elif interval := _INTERVAL.match(part):
+            lo_open, lo, hi, hi_open = interval.group(1) == "(", float(interval.group(2)), float(interval.group(3)), \
+                interval.group(4) == ")"
+            ok |= (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+        else:
+            try:
+                ok |= value == float(part)
+            except ValueError:
+                raise ValueError(f"valid={valid!r}: {part!r} is not a bound ('>= 0'), an interval "
+                                 "('in (0, 1]') or a number") from None
+    return ok and math.isfinite(value)
+
+
+def check_ranges(obj: Any, rules: dict[str, str] | None = None, where: str = "") -> None:
+    """Refuse any numeric field of the dataclass `obj` that is NaN, inf or outside its declared `valid`
+    rule (`rules` adds rules for fields declared elsewhere, e.g. inherited ones), in one line that
+    names the option and its valid range. A number without a rule must still be finite."""
+    for f in fields(obj):
+        value, rule = getattr(obj, f.name), f.metadata.get("valid", (rules or {}).get(f.name))
+        if value is None and (f.default is None or rule is None):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if rule is None:
+                continue
+            raise ConfigError(f"{where}{f.name} must be a number {rule}, got {value!r}")
+        if not within(value, rule or "in [-inf, inf]"):
+            why = "" if math.isfinite(value) else " (NaN and inf are never valid)"
+            raise ConfigError(f"{where}{f.name} must be {rule or 'a finite number'}, got {value!r}{why}")
+
+
+def options_with(cls: type, key: str, value: Any) -> tuple[str, ...]:
+    """The names of `cls`'s fields whose metadata `key` is `value`, in declaration order."""
+    return tuple(f.name for f in fields(cls) if f.metadata.get(key) == value)
 
 
 def suggest(key: str, valid: Any) -> str:
@@ -56,18 +130,35 @@ def build_parser(cls: type, prog: str, description: str | None = None, first: ty
     """
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(cls, prog=prog, description=description, usage=f"{prog} [--config FILE.yaml] [--option value ...]",
+    class Parser(HfArgumentParser):
+        @staticmethod
+        def _parse_dataclass_field(parser, field):  # argparse takes `help`, not the role metadata
+            field = copy.copy(field)
+            field.metadata = {k: v for k, v in field.metadata.items() if k not in OPTION_META}
+            HfArgumentParser._parse_dataclass_field(parser, field)
+
+    parser = Parser(cls, prog=prog, description=description, usage=f"{prog} [--config FILE.yaml] [--option value ...]",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     config = parser.add_argument("--config", default=None, help="YAML file of options; command-line flags override it.")
     parser._optionals.title = f"{prog} options"
     group = parser._optionals._group_actions  # the order --help prints
     group.remove(config)
     group.insert(1, config)  # after -h
+    for action in group[2:]:
+        if action.help and "%(default)" not in action.help:
+            action.help += " (default: %(default)r)"
+    own = list(inspect.get_annotations(cls))  # declaration order, overridden base fields included
     if first is not None:
-        own = list(inspect.get_annotations(cls))  # declaration order, overridden base fields included
         later = {f.name for f in fields(first)} - set(own)
         moved = [a for a in group if a.dest in later]
         group.sort(key=lambda a: own.index(a.dest) if a.dest in own else -1)  # -h, --config stay first
+    roles = {f.name: f.metadata["affects"] for f in fields(cls) if f.name in own and "affects" in f.metadata}
+    for role, text in ROLES.items() if roles else ():  # one --help section per role, in ROLES' order
+        section = parser.add_argument_group(f"{role} options: {text}")
+        for a in [a for a in group if roles.get(a.dest) == role]:
+            group.remove(a)
+            section._group_actions.append(a)
+    if first is not None:
         heading = parser.add_argument_group(f"{first.__module__.split('.')[0]} {first.__name__} options")
         for a in moved:
             group.remove(a)

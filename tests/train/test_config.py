@@ -86,3 +86,66 @@ def test_changed_settings_ignores_bookkeeping_and_options_newer_than_the_run():
     assert changed_settings(saved, now) == ["max_steps", "new_option", "old_option"]
     assert changed_settings(saved, now, common_only=True) == ["max_steps"]
     assert changed_settings(saved, {**saved, "teacher_capture": "c", "report_to": "none"}) == []
+
+
+# ---- option roles (one declaration per option: what it changes, its card section, its valid range)
+
+def _own_fields(cls):
+    import inspect
+    from dataclasses import fields
+
+    own = set(inspect.get_annotations(cls))
+    return [f for f in fields(cls) if f.name in own]
+
+
+@pytest.mark.parametrize("cls", ["KVDistillConfig", "TeacherConfig"])
+def test_every_option_declares_its_role_and_every_number_its_range(cls):
+    import kvdistill.train.config as config
+    from kvdistill.config import ROLES
+
+    for f in _own_fields(getattr(config, cls)):
+        assert f.metadata.get("affects") in ROLES, f"{cls}.{f.name}: option(..., affects=<one of {list(ROLES)}>)"
+        numeric = any(t in str(f.type) for t in ("int", "float")) and "bool" not in str(f.type)
+        if numeric:
+            assert "valid" in f.metadata, f"{cls}.{f.name}: a number needs option(..., valid='>= 0' or similar)"
+
+
+def test_roles_give_the_teacher_signals_bookkeeping_and_card_sections():
+    from kvdistill.train.config import BOOKKEEPING, TEACHER_SIGNALS, card_sections
+
+    assert TEACHER_SIGNALS == ("kv_weight", "codi_weight", "logit_kd_weight")
+    assert {"output_dir", "save_strategy", "save_steps", "save_total_limit", "logging_steps",
+                           "disable_tqdm", "report_to", "teacher_capture"} == BOOKKEEPING
+    sections = card_sections()
+    assert "kv_weight" in sections["signals"] and "seed" in sections["training"] and "data" in sections["data"]
+
+
+def _numeric_rules():
+    from kvdistill.train.config import INHERITED_RANGES
+
+    rules = {f.name: f.metadata["valid"] for f in _own_fields(KVDistillConfig) if "valid" in f.metadata}
+    return {**INHERITED_RANGES, **rules}
+
+
+# one value outside each rule (NaN and inf are tried for every option)
+OUTSIDE = {">= 0": -1, "> 0": 0, ">= 1": 0, ">= 8": 7, "in (0, 1]": 1.5, "in [0, 1)": 1, "in [0, 1]": 2,
+           ">= 1 or -1": -5}
+
+
+@pytest.mark.parametrize("name", sorted(_numeric_rules()))
+@pytest.mark.parametrize("bad", ["nan", "inf", "outside"])
+def test_numeric_options_refuse_nan_inf_and_out_of_range_naming_the_option(name, bad, tmp_path):
+    rule = _numeric_rules()[name]
+    value = OUTSIDE[rule] if bad == "outside" else float(bad)
+    if name == "max_length" and bad == "outside":
+        pytest.skip("refused by its own message (test_options)")
+    path = tmp_path / "c.yaml"  # YAML: a value the CLI's int parser would refuse before the check
+    path.write_text(yaml.safe_dump({"student": "org/student", "kv_weight": 0, name: value}))
+    with pytest.raises(ConfigError, match=rf"^{name} must be .*got") as err:
+        parse_config(["--config", str(path)])
+    assert rule in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_teacher_option_out_of_range_is_named_with_its_teacher():
+    with pytest.raises(ConfigError, match=r"teacher t: weight must be >= 0, got nan"):
+        parse_config(["--student", "org/student", "--teachers", "[{path: org/t, weight: .nan}]"])

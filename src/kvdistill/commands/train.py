@@ -44,7 +44,7 @@ from kvdistill.models import (
 )
 from kvdistill.report import environment
 from kvdistill.teachers import Teacher, TeacherSet, load_teacher
-from kvdistill.train.config import KVDistillConfig, TeacherConfig, parse_config
+from kvdistill.train.config import KVDistillConfig, TeacherConfig, option_names, parse_config
 from kvdistill.train.distributed import gathered
 from kvdistill.train.model import KVDistillModel, LossWeights
 from kvdistill.train.trainer import KVDistillTrainer
@@ -233,7 +233,9 @@ def teacher_view(batch: dict, name: str) -> dict:
 
 def capture_settings(cfg: KVDistillConfig, run: RunInputs) -> dict[str, dict]:
     """What each teacher's capture depends on (`{teacher name: settings}`): equal settings <=> the
-    stored tensors are this run's. The records are tokenised once for all teachers."""
+    stored tensors are this run's. Derived from the options' roles: the `teacher_inputs` options
+    through a hash of the tokens each teacher reads (tokenised once for all teachers), the
+    `teacher_outputs` ones by value, except those `capture_forms` turns into what they change."""
     hashes = {t.name: hashlib.sha256() for t in run.teachers}
     for batch in teacher_batches(run, 256):
         for t in run.teachers:
@@ -241,27 +243,44 @@ def capture_settings(cfg: KVDistillConfig, run: RunInputs) -> dict[str, dict]:
             update_token_hash(hashes[t.name], src["input_ids"].masked_fill(src["attention_mask"] == 0, -1))
     settings = {}
     for t, spec in zip(run.teachers, run.specs):
-        weights = weights_fingerprint(spec.path)
-        if cfg.teacher_control == "untrained":
-            weights += f":untrained:{cfg.seed}"
         _, _, hidden, logits = cache_key(cfg, t)
+        forms = capture_forms(cfg, run, t, spec)
         settings[t.name] = {
-            "teacher": t.name, "config_hash": t.config_hash, "weights": weights,
             "tokenizer": tokenizer_hash(t.tokenizer), "tokens": hashes[t.name].hexdigest()[:16],
-            "records": len(run.records) + len(run.transfer), "max_length": cfg.max_length, "key_space": cfg.key_space,
-            "dtype": str(spec.dtype), "quantization": spec.quantization, "capture_dtype": cfg.capture_dtype,
-            "hidden_states": hidden, "logits": logits,
+            "records": len(run.records) + len(run.transfer), "hidden_states": hidden, "logits": logits,
+            **{k: getattr(cfg, k) for k in option_names(affects="teacher_outputs") if k not in forms},
+            **{k: getattr(spec, k) for k in option_names(TeacherConfig, affects="teacher_outputs") if k not in forms},
         }
-        if cfg.capture_layers == "mapped":  # the teacher layers this run's layer map reads, and no other
-            settings[t.name]["capture_layers"] = mapped_layers(_layer_map(cfg, spec, run.student, t.model))
-        if cfg.capture_keep < 1:  # a share of each rationale's positions, picked by one method
-            positions = {"keep": cfg.capture_keep, "method": cfg.capture_compression}
-            if cfg.capture_compression == "rkv":
-                positions["lambda"] = cfg.compression_lambda
-            elif cfg.capture_compression == "random":
-                positions["seed"] = cfg.seed
-            settings[t.name]["capture_positions"] = positions
+        for value in forms.values():
+            settings[t.name].update(value)
     return settings
+
+
+def capture_forms(cfg: KVDistillConfig, run: RunInputs, t: Teacher, spec: TeacherConfig) -> dict[str, dict]:
+    """`{option: its entries in a capture's settings}` for the `teacher_outputs` options whose value
+    alone would say too much or too little (every other one enters the settings as its value)."""
+    weights = weights_fingerprint(spec.path)
+    if cfg.teacher_control == "untrained":  # random-init copies, drawn from the seed
+        weights += f":untrained:{cfg.seed}"
+    positions = {}
+    if cfg.capture_keep < 1:  # a share of each rationale's positions, picked by one method
+        positions = {"keep": cfg.capture_keep, "method": cfg.capture_compression}
+        if cfg.capture_compression == "rkv":
+            positions["lambda"] = cfg.compression_lambda
+        elif cfg.capture_compression == "random":
+            positions["seed"] = cfg.seed
+    return {
+        "teachers": {},  # each teacher's own options below
+        "path": {"config_hash": t.config_hash, "weights": weights},
+        "teacher_control": {},  # in `weights`
+        "name": {"teacher": t.name},
+        "dtype": {"dtype": str(spec.dtype)},
+        # the teacher layers this run's layer map reads, and no other
+        "capture_layers": {"capture_layers": mapped_layers(_layer_map(cfg, spec, run.student, t.model))}
+        if cfg.capture_layers == "mapped" else {},
+        "capture_keep": {"capture_positions": positions} if positions else {},
+        "capture_compression": {}, "compression_lambda": {},  # in `capture_positions`
+    }
 
 
 def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:

@@ -6,6 +6,7 @@ so a bad config fails before any model loads, with a message that names the fix.
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -20,7 +21,8 @@ from kvdistill.align.aligner import MODES as HEAD_MODES
 from kvdistill.align.compress import COMPRESSIONS
 from kvdistill.align.projectors import PROJECTOR_KINDS as PROJECTORS
 from kvdistill.align.time import TIME_MODES
-from kvdistill.config import ConfigError, check_choice, option, suggest, to_plain
+from kvdistill.card import SECTIONS
+from kvdistill.config import ConfigError, check_choice, check_ranges, option, suggest, to_plain
 from kvdistill.config import parse_config as parse_command_config
 from kvdistill.data import DEFAULT_TEMPLATE, FIELD_MAPS, parse_student_input
 from kvdistill.fusion import FUSIONS
@@ -40,14 +42,6 @@ Options come from one YAML file (--config) plus command-line flags, which win. T
 options are listed first; every transformers TrainingArguments option follows and keeps its name."""
 
 
-# the loss weights that read teachers: a run with all of them 0 loads none
-TEACHER_SIGNALS = ("kv_weight", "codi_weight", "logit_kd_weight")
-# how often and where a run writes, not what it learns: may change between a run and its resumption
-# (a run dir copied into another ablation's output_dir is reused there)
-BOOKKEEPING = frozenset({"output_dir", "save_strategy", "save_steps", "save_total_limit", "logging_steps",
-                         "disable_tqdm", "report_to", "teacher_capture"})
-
-
 def changed_settings(saved: dict[str, Any], now: dict[str, Any], common_only: bool = False) -> list[str]:
     """The options (bookkeeping aside) in which two train configs, as YAML data, differ: a finished
     run is reused only where this is empty. `common_only` compares only the options both hold: two
@@ -61,144 +55,223 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any], common_only: bo
 class TeacherConfig:
     """One teacher (an entry of `teachers:`). Unset projector fields inherit the run-wide ones."""
 
-    path: str = option(None, "Teacher model: Hub id or local directory. Required.")
-    name: str | None = option(None, "Name in logs, checkpoints and layer-map files (default: last part of path).")
-    weight: float = option(1.0, "Fusion weight (normalised over teachers).")
-    dtype: str = option("auto", "Weights dtype: auto | fp32 | bf16 | fp16.")
-    quantization: str | None = option(None, "null | 4bit | 8bit (bitsandbytes); never applied unless asked.")
-    tokenizer: str | None = option(None, "Tokenizer: null (the teacher's own, from path), 'student', or a path.")
-    rationale_field: str | None = option(None, "Data column with this teacher's own rationale (its chain of thought).")
-    layer_map: str | None = option(None, "Layer-map JSON from `kvdistill layer-map` (needed with layer_map: cka).")
-    projector: str | None = option(None, "Dim projector for this teacher (default: the run's `projector`).")
-    mlp_ratio: float | None = option(None, "Elastic projector width ratio (default: the run's `mlp_ratio`).")
-    projector_dropout: float | None = option(None, "Elastic projector dropout (default: the run's).")
-    projector_init: str | None = option(None, "Projector init (default: the run's `projector_init`).")
+    path: str = option(None, "Teacher model: Hub id or local directory. Required.", affects="teacher_outputs")
+    name: str | None = option(None, "Name in logs, checkpoints and layer-map files (default: last part of path).",
+                              affects="teacher_outputs")
+    weight: float = option(1.0, "Fusion weight (normalised over teachers).",
+                           affects="student_loss", valid=">= 0")
+    dtype: str = option("auto", "Weights dtype: auto | fp32 | bf16 | fp16.", affects="teacher_outputs")
+    quantization: str | None = option(None, "null | 4bit | 8bit (bitsandbytes); never applied unless asked.",
+                                      affects="teacher_outputs")
+    tokenizer: str | None = option(None, "Tokenizer: null (the teacher's own, from path), 'student', or a path.",
+                                   affects="teacher_inputs")
+    rationale_field: str | None = option(None, "Data column with this teacher's own rationale (its chain of thought).",
+                                         affects="teacher_inputs")
+    layer_map: str | None = option(None, "Layer-map JSON from `kvdistill layer-map` (needed with layer_map: cka).",
+                                   affects="student_loss")
+    projector: str | None = option(None, "Dim projector for this teacher (default: the run's `projector`).",
+                                   affects="student_loss")
+    mlp_ratio: float | None = option(None, "Elastic projector width ratio (default: the run's `mlp_ratio`).",
+                                     affects="student_loss", valid="> 0")
+    projector_dropout: float | None = option(None, "Elastic projector dropout (default: the run's).",
+                                             affects="student_loss", valid="in [0, 1)")
+    projector_init: str | None = option(None, "Projector init (default: the run's `projector_init`).",
+                                        affects="student_loss")
 
     def __post_init__(self) -> None:
         if not self.path:
             raise ConfigError("a teacher needs a `path:` (Hub id or local model directory)")
         if self.name is None:
             self.name = Path(str(self.path).rstrip("/")).name
-        if self.weight < 0:
-            raise ConfigError(f"teacher {self.name}: weight must be >= 0, got {self.weight}")
+        check_ranges(self, where=f"teacher {self.name}: ")
         if self.quantization not in (None, "4bit", "8bit"):
             raise ConfigError(f"teacher {self.name}: quantization must be null, 4bit or 8bit")
 
 
 @dataclass
 class KVDistillConfig(TrainingArguments):
-    """Training arguments of `kvdistill train` (TrainingArguments names kept)."""
+    """Training arguments of `kvdistill train` (TrainingArguments names kept).
+
+    A new option is one line here: `name: type = option(default, "help", affects=<role>, card=<section>,
+    valid=<rule>)`. `affects` is required (a key of `kvdistill.config.ROLES`: `teacher_outputs`,
+    `teacher_inputs`, `teacher_signal`, `student_loss` or `bookkeeping`); it alone decides whether the option
+    enters a capture's identity, the "same settings" check of a reused run, the teacher-signal rule and
+    its `--help` section. `card` (signals / alignment / data / training) puts it on the model card;
+    `valid` (e.g. ">= 0", "> 0", "in (0, 1]") is required for numbers. Tests fail when one is missing.
+    """
 
     # ---- models and data
-    student: str | None = option(None, "Student model: Hub id or local directory.")
+    student: str | None = option(None, "Student model: Hub id or local directory.", affects="student_loss")
     teachers: None | str | list = option([], "List of teachers: {path, name, weight, dtype, quantization, tokenizer, "
-                           "rationale_field, layer_map, projector, mlp_ratio, ...}.")
-    student_dtype: str = option("auto", "Student weights dtype (auto|fp32|bf16|fp16); use bf16/fp16 flags for AMP.")
-    data: str = option("synthetic", "Training data: Hub id, local jsonl/json/parquet file or directory, or 'synthetic'.")
-    data_split: str = option("train", "Split to train on.")
-    field_map: None | str | dict = option(None, "Column mapping {question: col, answer: col} or a name (gsm8k, svamp, math).")
-    max_samples: int | None = option(None, "Use only the first N training records.")
+                           "rationale_field, layer_map, projector, mlp_ratio, ...}.",
+                                         affects="teacher_outputs")
+    student_dtype: str = option("auto", "Student weights dtype (auto|fp32|bf16|fp16); use bf16/fp16 flags for AMP.",
+                                affects="student_loss")
+    data: str = option("synthetic", "Training data: Hub id, local jsonl/json/parquet file or directory, or 'synthetic'.",
+                       affects="teacher_inputs", card="data")
+    data_split: str = option("train", "Split to train on.", affects="teacher_inputs", card="data")
+    field_map: None | str | dict = option(None, "Column mapping {question: col, answer: col} or a name (gsm8k, svamp, math).",
+                                          affects="teacher_inputs", card="data")
+    max_samples: int | None = option(None, "Use only the first N training records.",
+                                     affects="teacher_inputs", card="data", valid=">= 1")
     transfer_data: str | None = option(None, "Transfer set (Hinton et al.): records the student gets no LM loss "
                                        "on, only the teacher signals (KV, relation, logit KD, CODI). Their "
                                        "`answer` is read, not learned as a label: e.g. teacher-written completions "
                                        "of unlabelled questions. Same formats as `data`; unused without a teacher "
-                                       "signal.")
-    transfer_split: str = option("train", "Split of transfer_data.")
+                                       "signal.", affects="teacher_inputs", card="data")
+    transfer_split: str = option("train", "Split of transfer_data.", affects="teacher_inputs", card="data")
     transfer_field_map: None | str | dict = option(None, "Column mapping of transfer_data (default: field_map); "
                                                    "an eval's items.jsonl is a transfer set with "
-                                                   "{question: question, answer: prediction}.")
-    transfer_max_samples: int | None = option(None, "Use only the first N transfer records.")
+                                                   "{question: question, answer: prediction}.",
+                                                   affects="teacher_inputs")
+    transfer_max_samples: int | None = option(None, "Use only the first N transfer records.",
+                                              affects="teacher_inputs", card="data", valid=">= 1")
     transfer_batch_size: int = option(0, "Transfer records added to every micro-batch of labelled ones (drawn at "
                                       "random, seeded by the batch, so a resumed run draws the same); 0: "
-                                      "per_device_train_batch_size.")
-    max_length: int = option(512, "Maximum tokens per example (longer ones are cut, with a warning).")
-    prompt_template: str = option(DEFAULT_TEMPLATE, "Prompt template with {question}.")
-    use_chat_template: bool = option(False, "Format prompts with the tokenizer's chat template.")
+                                      "per_device_train_batch_size.", affects="student_loss", valid=">= 0")
+    max_length: int = option(512, "Maximum tokens per example (longer ones are cut, with a warning).",
+                             affects="teacher_outputs", card="data", valid=">= 8")
+    prompt_template: str = option(DEFAULT_TEMPLATE, "Prompt template with {question}.",
+                                  affects="teacher_inputs", card="data")
+    use_chat_template: bool = option(False, "Format prompts with the tokenizer's chat template.",
+                                     affects="teacher_inputs", card="data")
     accuracy_eval_steps: int = option(0, "Every N optimizer steps (and at the end), greedy-decode the "
-                                      "accuracy_eval_split and log `eval_accuracy` (accuracy-vs-steps curves); 0: off.")
+                                      "accuracy_eval_split and log `eval_accuracy` (accuracy-vs-steps curves); 0: off.",
+                                      affects="student_loss", valid=">= 0")
     accuracy_eval_split: str = option("dev", "Split of `data` for the accuracy curve (never the test split you "
-                                      "report on).")
-    accuracy_eval_limit: int = option(200, "Items of accuracy_eval_split per curve point.")
-    accuracy_eval_max_new_tokens: int = option(64, "Generation budget per item for the accuracy curve.")
+                                      "report on).", affects="student_loss")
+    accuracy_eval_limit: int = option(200, "Items of accuracy_eval_split per curve point.",
+                                      affects="student_loss", valid=">= 1")
+    accuracy_eval_max_new_tokens: int = option(64, "Generation budget per item for the accuracy curve.",
+                                               affects="student_loss", valid=">= 1")
     # ---- alignment
-    time_mode: str = option("segment", f"Time alignment: {TIME_MODES}.")
-    layer_map: str = option("proportional", f"Layer mapping: {LAYER_MAPS} (cka reads each teacher's layer_map JSON).")
-    layer_map_k: int = option(1, "k for layer_map: last_k.")
-    ignore_layer_map_hash: bool = option(False, "Accept a layer map computed for other model configs.")
-    head_mode: str = option("flat", f"Head alignment: {HEAD_MODES}.")
-    projector: str = option("linear", f"Dim projector: {PROJECTORS}.")
-    mlp_ratio: float = option(1.0, "Elastic bottleneck width ratio r (0.5 / 1 / 2 by teacher size).")
-    projector_dropout: float = option(0.0, "Dropout inside the elastic projector.")
-    projector_init: str = option("xavier", "Projector init: xavier | orthogonal | identity.")
-    share_layers: bool = option(True, "One K and one V projector shared across layers (else one per layer).")
+    time_mode: str = option("segment", f"Time alignment: {TIME_MODES}.",
+                            affects="student_loss", card="alignment")
+    layer_map: str = option("proportional", f"Layer mapping: {LAYER_MAPS} (cka reads each teacher's layer_map JSON).",
+                            affects="student_loss", card="alignment")
+    layer_map_k: int = option(1, "k for layer_map: last_k.",
+                              affects="student_loss", card="alignment", valid=">= 1")
+    ignore_layer_map_hash: bool = option(False, "Accept a layer map computed for other model configs.",
+                                         affects="student_loss")
+    head_mode: str = option("flat", f"Head alignment: {HEAD_MODES}.",
+                            affects="student_loss", card="alignment")
+    projector: str = option("linear", f"Dim projector: {PROJECTORS}.",
+                            affects="student_loss", card="alignment")
+    mlp_ratio: float = option(1.0, "Elastic bottleneck width ratio r (0.5 / 1 / 2 by teacher size).",
+                              affects="student_loss", card="alignment", valid="> 0")
+    projector_dropout: float = option(0.0, "Dropout inside the elastic projector.",
+                                      affects="student_loss", valid="in [0, 1)")
+    projector_init: str = option("xavier", "Projector init: xavier | orthogonal | identity.",
+                                 affects="student_loss")
+    share_layers: bool = option(True, "One K and one V projector shared across layers (else one per layer).",
+                                affects="student_loss", card="alignment")
     projector_trainable: bool = option(True, "Train projectors and head mixers (False: fixed at their init, so the "
-                                   "projector cannot chase the student and only the student moves).")
-    direction: str = option("teacher_to_student", f"Which side is projected: {DIRECTIONS}.")
+                                   "projector cannot chase the student and only the student moves).",
+                                       affects="student_loss")
+    direction: str = option("teacher_to_student", f"Which side is projected: {DIRECTIONS}.",
+                            affects="student_loss", card="alignment")
     key_space: str = option("auto", "Keys as cached (post_rope) or before RoPE (pre_rope); auto: pre_rope for "
-                            "kv_loss relation (relations of rotated keys depend on position), else post_rope.")
+                            "kv_loss relation (relations of rotated keys depend on position), else post_rope.",
+                            affects="teacher_outputs", card="alignment")
     # ---- losses
-    kv_loss: str = option("mercator", f"KV loss: {KV_LOSSES}.")
-    kv_weight: float = option(0.1, "Weight of the KV loss (0 = SFT only). Small weights worked best in the pilot.")
-    kv_warmup_steps: int = option(100, "Linear warm-up of the KV weight over this many optimizer steps.")
-    relation_heads: int = option(8, "kv_loss relation: relation heads R (each side's H*D split into R chunks).")
-    relation_temperature: float = option(1.0, "kv_loss relation: softmax temperature of the relation matrices.")
+    kv_loss: str = option("mercator", f"KV loss: {KV_LOSSES}.", affects="student_loss", card="signals")
+    kv_weight: float = option(0.1, "Weight of the KV loss (0 = SFT only). Small weights worked best in the pilot.",
+                              affects="teacher_signal", card="signals", valid=">= 0")
+    kv_warmup_steps: int = option(100, "Linear warm-up of the KV weight over this many optimizer steps.",
+                                  affects="student_loss", card="signals", valid=">= 0")
+    relation_heads: int = option(8, "kv_loss relation: relation heads R (each side's H*D split into R chunks).",
+                                 affects="student_loss", valid=">= 1")
+    relation_temperature: float = option(1.0, "kv_loss relation: softmax temperature of the relation matrices.",
+                                         affects="student_loss", valid="> 0")
     relation_chunk_size: int | None = option(None, "kv_loss relation: query rows per chunk (memory O(L*B*R*C*T) "
-                                             "instead of O(L*B*R*T^2)); null: all rows at once.")
+                                             "instead of O(L*B*R*T^2)); null: all rows at once.",
+                                             affects="student_loss", valid=">= 1")
     relation_compile: bool = option(True, "kv_loss relation: compile the row softmaxes (torch.compile; 28 -> 22 "
-                                    "ms per term on CPU at the demo's shapes; the eager ops where it cannot build).")
-    mercator_alpha: float = option(1.0, "Mercator direction weight alpha.")
-    mercator_beta: float = option(0.0, "Mercator log-norm weight beta (0 or 0.01).")
-    hybrid_weight: float = option(0.8, "Mercator share in the hybrid loss.")
-    normalize_target: bool = option(False, "Layer-wise std normalisation of the teacher target (KaVa).")
-    segment_weights: None | str | dict = option(None, "KV loss weight per segment {prompt: w, reasoning: w, answer: w}.")
-    ce_weight: float = option(1.0, "Weight of the student's LM loss.")
-    allow_kv_only: bool = option(False, "Allow ce_weight 0 (a KV-only loss can collapse to a trivial high cos-sim).")
-    codi_weight: float = option(0.0, "Weight of the CODI hidden-state loss at the answer marker.")
-    logit_kd_weight: float = option(0.0, "Weight of logit KD (only for teachers sharing the student's vocabulary).")
-    logit_kd_kind: str = option("forward_kl", f"Logit KD divergence: {LOGIT_KD}.")
-    logit_kd_temperature: float = option(1.0, "Softmax temperature of logit KD.")
+                                    "ms per term on CPU at the demo's shapes; the eager ops where it cannot build).",
+                                    affects="student_loss")
+    mercator_alpha: float = option(1.0, "Mercator direction weight alpha.",
+                                   affects="student_loss", valid=">= 0")
+    mercator_beta: float = option(0.0, "Mercator log-norm weight beta (0 or 0.01).",
+                                  affects="student_loss", valid=">= 0")
+    hybrid_weight: float = option(0.8, "Mercator share in the hybrid loss.",
+                                  affects="student_loss", valid="in [0, 1]")
+    normalize_target: bool = option(False, "Layer-wise std normalisation of the teacher target (KaVa).",
+                                    affects="student_loss", card="alignment")
+    segment_weights: None | str | dict = option(None, "KV loss weight per segment {prompt: w, reasoning: w, answer: w}.",
+                                                affects="student_loss", card="alignment")
+    ce_weight: float = option(1.0, "Weight of the student's LM loss.",
+                              affects="student_loss", card="signals", valid=">= 0")
+    allow_kv_only: bool = option(False, "Allow ce_weight 0 (a KV-only loss can collapse to a trivial high cos-sim).",
+                                 affects="student_loss")
+    codi_weight: float = option(0.0, "Weight of the CODI hidden-state loss at the answer marker.",
+                                affects="teacher_signal", card="signals", valid=">= 0")
+    logit_kd_weight: float = option(0.0, "Weight of logit KD (only for teachers sharing the student's vocabulary).",
+                                    affects="teacher_signal", card="signals", valid=">= 0")
+    logit_kd_kind: str = option("forward_kl", f"Logit KD divergence: {LOGIT_KD}.",
+                                affects="student_loss", card="signals")
+    logit_kd_temperature: float = option(1.0, "Softmax temperature of logit KD.",
+                                         affects="student_loss", card="signals", valid="> 0")
     # ---- teachers
-    fusion: str = option("loss_sum", f"Multi-teacher fusion: {FUSIONS}.")
-    teacher_offload: bool = option(False, "Keep teachers on CPU; move one at a time to the device for its forward.")
+    fusion: str = option("loss_sum", f"Multi-teacher fusion: {FUSIONS}.",
+                         affects="student_loss", card="alignment")
+    teacher_offload: bool = option(False, "Keep teachers on CPU; move one at a time to the device for its forward.",
+                                   affects="student_loss")
     teacher_cache: bool = option(False, "Keep every training record's teacher outputs in CPU memory, so each "
-                                 "teacher runs once per record (many epochs over a small dataset).")
+                                 "teacher runs once per record (many epochs over a small dataset).",
+                                 affects="student_loss")
     teacher_capture: str | None = option(None, "Directory of a `kvdistill capture` made with this config: every "
                                          "teacher's outputs are read from it and no teacher weights are loaded. "
-                                         "A capture of other data, tokenizer, max_length or teacher is refused.")
-    capture_dtype: str = option("fp32", "dtype `kvdistill capture` stores the teacher cache in: fp32 | bf16 | fp16.")
+                                         "A capture of other data, tokenizer, max_length or teacher is refused.",
+                                         affects="bookkeeping", card="alignment")
+    capture_dtype: str = option("fp32", "dtype `kvdistill capture` stores the teacher cache in: fp32 | bf16 | fp16.",
+                                affects="teacher_outputs")
     capture_layers: str = option("all", "Teacher layers `kvdistill capture` stores: all | mapped (only those the "
-                                 "run's layer map reads; a run with another layer map refuses the capture).")
+                                 "run's layer map reads; a run with another layer map refuses the capture).",
+                                 affects="teacher_outputs")
     capture_keep: float = option(1.0, "Fraction of each teacher rationale's positions `kvdistill capture` stores (the "
                                  "prompt and answer are kept whole); 1 stores every position. Segment time alignment "
-                                 "reads the kept ones (needs time_mode: segment, no logit KD).")
+                                 "reads the kept ones (needs time_mode: segment, no logit KD).",
+                                 affects="teacher_outputs", valid="in (0, 1]")
     capture_compression: str = option("uniform", f"How capture_keep < 1 picks the rationale positions: {COMPRESSIONS} "
-                                      "(rkv: attention importance minus key redundancy, as teacher_compression).")
+                                      "(rkv: attention importance minus key redundancy, as teacher_compression).",
+                                      affects="teacher_outputs")
     teacher_control: str = option("none", f"Control run {TEACHER_CONTROLS}: untrained = random-init copies of the "
                                   "teachers; shuffled = each sample gets another sample's teacher (a derangement "
-                                  "within the batch). A gain must beat both to count as knowledge transfer.")
+                                  "within the batch). A gain must beat both to count as knowledge transfer.",
+                                  affects="teacher_outputs", card="alignment")
     # ---- privileged teacher (KaVa)
     student_input: str = option("full", "What the student reads of the rationale: full | no_rationale | "
                                 "short_rationale:K (its first K lines) | latent:N (N latent slot tokens in its place, "
-                                "KaVa-style). Teachers always read the full rationale (privileged information).")
+                                "KaVa-style). Teachers always read the full rationale (privileged information).",
+                                affects="student_loss", card="alignment")
     teacher_compression: str = option("rkv", f"With a shortened student input: how each teacher's rationale is "
                                       f"cut to the student's reasoning slots: {COMPRESSIONS} or none (proportional "
-                                      "time alignment only).")
-    compression_lambda: float = option(0.1, "R-KV: weight of key redundancy against attention importance.")
+                                      "time alignment only).", affects="student_loss", card="alignment")
+    compression_lambda: float = option(0.1, "R-KV: weight of key redundancy against attention importance.",
+                                       affects="teacher_outputs", valid=">= 0")
     on_nonfinite: str = option("stop", f"A NaN/inf loss or gradient: {ON_NONFINITE}. stop = end the run with a "
                                "message naming the tensor (teacher, layer, keys/values) where it first appeared; "
-                               "skip = warn, give the step zero gradient and go on (counted as nonfinite_skipped).")
-    aligner_learning_rate: float = option(1e-3, "Learning rate of projectors / aligners / fusion weights.")
+                               "skip = warn, give the step zero gradient and go on (counted as nonfinite_skipped).",
+                               affects="student_loss")
+    aligner_learning_rate: float = option(1e-3, "Learning rate of projectors / aligners / fusion weights.",
+                                          affects="student_loss", card="training", valid=">= 0")
     # ---- TrainingArguments defaults of the seed prototype
-    output_dir: str | None = option("runs/kvdistill", "Where checkpoints, logs and the final student go.")
-    learning_rate: float = option(5e-5, "Student learning rate.")
-    weight_decay: float = option(0.01, "Weight decay.")
-    per_device_train_batch_size: int = option(2, "Batch size per device.")
-    gradient_accumulation_steps: int = option(16, "Gradient accumulation steps.")
-    max_steps: int = option(1000, "Optimizer steps.")
-    logging_steps: float = option(10, "Log every N steps.")
-    save_steps: float = option(200, "Checkpoint every N steps.")
-    report_to: None | str | list[str] = option("none", "tensorboard / wandb / none.")
-    remove_unused_columns: bool = option(False, "Must stay False: the collator needs the raw records.")
+    output_dir: str | None = option("runs/kvdistill", "Where checkpoints, logs and the final student go.",
+                                    affects="bookkeeping")
+    learning_rate: float = option(5e-5, "Student learning rate.",
+                                  affects="student_loss", card="training", valid="> 0")
+    weight_decay: float = option(0.01, "Weight decay.", affects="student_loss", card="training", valid=">= 0")
+    per_device_train_batch_size: int = option(2, "Batch size per device.",
+                                              affects="student_loss", card="training", valid=">= 1")
+    gradient_accumulation_steps: int = option(16, "Gradient accumulation steps.",
+                                              affects="student_loss", card="training", valid=">= 1")
+    max_steps: int = option(1000, "Optimizer steps.",
+                            affects="student_loss", card="training", valid=">= 1 or -1")
+    logging_steps: float = option(10, "Log every N steps.", affects="bookkeeping", valid="> 0")
+    save_steps: float = option(200, "Checkpoint every N steps.", affects="bookkeeping", valid="> 0")
+    report_to: None | str | list[str] = option("none", "tensorboard / wandb / none.", affects="bookkeeping")
+    remove_unused_columns: bool = option(False, "Must stay False: the collator needs the raw records.",
+                                         affects="student_loss")
 
     def __post_init__(self) -> None:
         # mapping-valued options arrive as YAML objects from a file, or as strings from the CLI
@@ -237,17 +310,15 @@ class KVDistillConfig(TrainingArguments):
         }
         for key, allowed in choices.items():
             check_choice(key, getattr(self, key), allowed)
-        for key in ("kv_weight", "codi_weight", "logit_kd_weight", "ce_weight", "kv_warmup_steps"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.student is None:
             raise ConfigError("no student: set `student: <hub id or local dir>`")
-        if self.max_length < 8:
+        if isinstance(self.max_length, int) and self.max_length < 8:
             raise ConfigError(f"max_length {self.max_length} leaves no room for a question and its answer; set "
                               "max_length >= 8 (512 is the default)")
         if self.max_steps == 0:
             raise ConfigError("max_steps 0 would still run one step; set max_steps >= 1, or -1 to train "
                               "num_train_epochs epochs")
+        check_ranges(self, INHERITED_RANGES)  # every number finite and in its declared range
         if self.fp16 and (self.use_cpu or not torch.cuda.is_available()):
             raise ConfigError("fp16 mixed precision needs a CUDA GPU (on CPU it would be silently ignored); drop "
                               "--fp16, or use --bf16 on CPU")
@@ -270,22 +341,12 @@ class KVDistillConfig(TrainingArguments):
             raise ConfigError("gradient (activation) checkpointing makes transformers drop the student's KV cache in "
                               "training, so the KV loss has nothing to compare; set activation_checkpointing: false "
                               "(or kv_weight: 0); see docs/training.md")
-        if self.accuracy_eval_steps < 0 or self.accuracy_eval_limit < 1:
-            raise ConfigError("accuracy_eval_steps must be >= 0 and accuracy_eval_limit >= 1")
-        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_samples", "transfer_max_samples"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.learning_rate <= 0 or self.aligner_learning_rate < 0:
-            raise ConfigError(f"learning_rate must be > 0 and aligner_learning_rate >= 0, got {self.learning_rate} "
-                              f"and {self.aligner_learning_rate}")
         if self.key_space == "auto":
             self.key_space = "pre_rope" if self.kv_loss == "relation" else "post_rope"
         try:
             parse_student_input(self.student_input)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        if self.kv_loss == "relation" and (self.relation_heads < 1 or self.relation_temperature <= 0):
-            raise ConfigError("kv_loss relation needs relation_heads >= 1 and relation_temperature > 0")
         if self.kv_loss == "relation" and self.fusion == "kv_mean":
             raise ConfigError("fusion: kv_mean averages projected teacher KVs; kv_loss relation has no projector, "
                               "use fusion: loss_sum (or learned / correctness)")
@@ -300,8 +361,6 @@ class KVDistillConfig(TrainingArguments):
             if isinstance(value, str) and value not in FIELD_MAPS:
                 raise ConfigError(f"{key} {value!r} is not a known name {sorted(FIELD_MAPS)}; give a mapping "
                                   "{question: <column>, answer: <column>}")
-        if self.transfer_batch_size < 0:
-            raise ConfigError("transfer_batch_size must be >= 0 (0: per_device_train_batch_size)")
         self.transfer_batch_size = self.transfer_batch_size or self.per_device_train_batch_size
         if self.transfer_data and self.fusion == "correctness":
             raise ConfigError("fusion: correctness weighs teachers by their answers to the labelled records; the "
@@ -309,9 +368,6 @@ class KVDistillConfig(TrainingArguments):
         if self.capture_layers == "mapped" and self.student_input != "full" and self.teacher_compression == "rkv":
             raise ConfigError("capture_layers: mapped drops teacher layers that teacher_compression: rkv scores "
                               "tokens with; use capture_layers: all, or teacher_compression uniform / random / none")
-        if not 0 < self.capture_keep <= 1:
-            raise ConfigError(f"capture_keep must be in (0, 1], got {self.capture_keep}: the fraction of rationale "
-                              "positions a capture stores (1: all)")
         if self.capture_keep < 1 and self.time_mode != "segment":
             raise ConfigError(f"capture_keep < 1 drops rationale positions, which time_mode: {self.time_mode} would "
                               "misalign; use time_mode: segment (each segment maps onto its kept positions)")
@@ -379,6 +435,46 @@ class KVDistillConfig(TrainingArguments):
         d = {k: v for k, v in self.to_dict().items() if not k.startswith("_") and k != "teacher_configs"}
         d["teachers"] = [asdict(t) for t in self.teacher_configs]
         return yaml.safe_load(yaml.safe_dump(d, default_flow_style=False, allow_unicode=True))
+
+
+# Options inherited from TrainingArguments carry no metadata: their roles, card sections and valid
+# ranges are declared here. One not listed changes what the student learns, and a number must be finite.
+INHERITED: dict[str, dict[str, str]] = {
+    "save_strategy": {"affects": "bookkeeping"}, "save_total_limit": {"affects": "bookkeeping"},
+    "disable_tqdm": {"affects": "bookkeeping"}, "seed": {"card": "training", "valid": ">= 0"},
+    "bf16": {"card": "training"}, "fp16": {"card": "training"}, "num_train_epochs": {"valid": "> 0"},
+    "warmup_steps": {"valid": ">= 0"}, "max_grad_norm": {"valid": ">= 0"}, "adam_beta1": {"valid": "in [0, 1)"},
+    "adam_beta2": {"valid": "in [0, 1)"}, "adam_epsilon": {"valid": ">= 0"},
+    "label_smoothing_factor": {"valid": "in [0, 1)"},
+}
+INHERITED_RANGES = {k: v["valid"] for k, v in INHERITED.items() if "valid" in v}
+
+
+def option_meta(name: str, cls: type = KVDistillConfig) -> dict[str, Any]:
+    """The metadata (`affects`, `card`, `valid`, `help`) of option `name` of `cls`."""
+    if name in inspect.get_annotations(cls) or cls is TeacherConfig:
+        return dict(cls.__dataclass_fields__[name].metadata)
+    return {"affects": "student_loss", **INHERITED.get(name, {})}
+
+
+def option_names(cls: type = KVDistillConfig, **meta: str) -> tuple[str, ...]:
+    """The options of `cls` whose metadata holds `meta` (e.g. `affects="teacher_outputs"`): its own in
+    declaration order, then the inherited ones."""
+    own = list(inspect.get_annotations(cls))
+    names = own + [f.name for f in fields(cls) if f.name not in own]
+    return tuple(n for n in names if all(option_meta(n, cls).get(k) == v for k, v in meta.items()))
+
+
+def card_sections() -> dict[str, tuple[str, ...]]:
+    """The options each section of a student's model card shows (`card.py`), as declared by `card=`."""
+    return {section: option_names(card=section) for section in SECTIONS}
+
+
+# the loss weights that read teachers: a run with all of them 0 loads none
+TEACHER_SIGNALS = option_names(affects="teacher_signal")
+# how often and where a run writes, not what it learns: may change between a run and its resumption
+# (a run dir copied into another ablation's output_dir is reused there)
+BOOKKEEPING = frozenset(option_names(affects="bookkeeping"))
 
 
 def _is_model_ref(ref: str) -> bool:

@@ -27,7 +27,7 @@ from kvdistill.cache import REASONING, KVCache
 from kvdistill.card import write_card
 from kvdistill.io import read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.teachers import TeacherSet, derangement
-from kvdistill.train.config import ConfigError, KVDistillConfig
+from kvdistill.train.config import ConfigError, KVDistillConfig, card_sections
 from kvdistill.train.model import KVDistillModel
 
 MODULES_FILE = "kvdistill_modules.safetensors"  # aligners, fusion logits, CODI heads
@@ -380,8 +380,8 @@ class KVDistillTrainer(Trainer):
             (out / "layer_maps").mkdir(exist_ok=True)
             (out / "layer_maps" / f"{name}.json").write_text(json.dumps({"teacher": name, "matrix": lm.tolist()}))
         torch.save(self.args, out / "training_args.bin")
-        write_card(out, self.args.to_yaml_dict(), self.teachers.manifest(), step=self.state.global_step,
-                   layer_maps=self.layer_maps)
+        write_card(out, self.args.to_yaml_dict(), self.teachers.manifest(), card_sections(),
+                   step=self.state.global_step, layer_maps=self.layer_maps)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         ckpt = Path(resume_from_checkpoint)
