@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("kvdistill.commands.profile", "shapes, time and memory of each alignment stage for a model pair"),
     "ab-projector": ("kvdistill.commands.ab_projector", "Linear vs Elastic Bottleneck projector A/B test (seed 000)"),
     "bench": ("kvdistill.commands.bench", "benchmarks: alignment, CKA and step overhead -> JSON + Markdown"),
+    "generate": ("kvdistill.commands.generate", "a teacher's sampled completions of a question set -> transfer set (jsonl)"),
     "gen-data": ("kvdistill.commands.gen_data", "write a synthetic GSM8K-format arithmetic dataset (jsonl)"),
     "smoke": ("kvdistill.commands.smoke", "build the tiny offline fixtures and print their KV shapes"),
     "dry-run": ("kvdistill.commands.dry_run", "meta-device dry run: params, KV shapes, aligners, GPU memory of a config"),
