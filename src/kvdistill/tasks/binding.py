@@ -1,0 +1,173 @@
+"""Variable binding programs in GSM8K format: which digit does the queried name resolve to?
+
+    b=7. k=b. q=4. m=k. z=q. w=z. What is m?   ->   "#### 7" (no rationale)
+
+A program holds 2-3 chains of `depth + 1` single-letter names: a root bound to a digit, then
+`depth` names each bound to the one before. The query asks for the last name of one chain, so
+answering takes `depth` lookups whose route differs in every problem (names, values and line
+order are drawn anew): which position to read next is instance-specific, which is what a teacher's
+attention and keys carry and its output distribution (one digit) does not.
+
+Line order: `interleave` (default) merges the chains' lines at random, each chain's lines in
+definition order, so every name's value is already determined where the name stands (a causal
+model can hold it there: the probe's target is defined at every name token); `shuffle` puts the
+lines in any order. The chains' root digits differ, so the answer also says which chain was read.
+
+Per-token fields (`kvdistill.fields`), character spans of the question, on every name token
+(definitions, references and the query):
+    value  the digit the name resolves to (the probe's target)
+    chain  which chain the name belongs to, numbered by first appearance (the oracle's classes)
+    name   1 (the row mask of name and query tokens)
+
+Deterministic in the seed.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from collections.abc import Iterable
+
+from kvdistill.tasks import Piece, spell
+
+NAME_POOL = string.ascii_lowercase
+ORDERS = ("interleave", "shuffle")
+UNSEEN = ("question", "program", "chain")  # what a held-out problem must not share with the pool
+
+Chain = tuple[int, tuple[str, ...]]  # (root digit, names from root to tail)
+
+
+def make_program(rng: random.Random, *, chains: int, depth: int, names: int, order: str = "interleave"
+                 ) -> tuple[dict, tuple[Chain, ...], int]:
+    """One program: `(record, its chains, index of the queried chain)`."""
+    drawn = rng.sample(NAME_POOL[:names], chains * (depth + 1))
+    roots = rng.sample(range(10), chains)  # distinct: the answer names the chain that was read
+    prog = tuple((roots[c], tuple(drawn[c * (depth + 1):(c + 1) * (depth + 1)])) for c in range(chains))
+    # lines as (chain, lhs, rhs); a chain's lines in definition order
+    lines = [[(c, ns[0], str(root))] + [(c, ns[i], ns[i - 1]) for i in range(1, depth + 1)]
+             for c, (root, ns) in enumerate(prog)]
+    if order == "interleave":
+        picks = [c for c in range(chains) for _ in range(depth + 1)]
+        rng.shuffle(picks)  # which chain's next line comes next
+        ordered = [lines[c].pop(0) for c in picks]
+    else:
+        ordered = [line for chain in lines for line in chain]
+        rng.shuffle(ordered)
+    query = rng.randrange(chains)
+    first_seen = list(dict.fromkeys(c for c, _, _ in ordered))  # chain ids by first appearance
+
+    def name(n: str, c: int) -> Piece:
+        return n, {"value": prog[c][0], "chain": first_seen.index(c), "name": 1}
+
+    pieces: list[Piece] = []
+    for c, lhs, rhs in ordered:
+        pieces += [name(lhs, c), "=", rhs if rhs.isdigit() else name(rhs, c), ". "]
+    question, fields = spell([*pieces, "What is ", name(prog[query][1][-1], query), "?"])
+    record = {"question": question, "answer": f"#### {prog[query][0]}", "token_fields": fields}
+    return record, prog, query
+
+
+def program_key(question: str) -> frozenset[str]:
+    """A program as its set of lines, whatever their order and the query."""
+    return frozenset(question.split(". ")[:-1])
+
+
+def generate_programs(
+    n: int,
+    seed: int = 0,
+    *,
+    min_chains: int = 2,
+    max_chains: int = 3,
+    depth: int = 2,
+    names: int = 14,
+    order: str = "interleave",
+    unseen: str = "question",
+    exclude: Iterable[dict] = (),
+) -> list[dict]:
+    """`n` programs with distinct questions that share with `exclude` (records) nothing `unseen` names.
+
+    unseen: "question" (no question of `exclude`), "program" (no set of lines of `exclude`, whatever
+    its order and query) or "chain" (and the queried chain, names and digit, is no chain of `exclude`).
+    """
+    check_knobs(min_chains=min_chains, max_chains=max_chains, depth=depth, names=names, order=order, unseen=unseen)
+    rng = random.Random(seed)
+    exclude = list(exclude)
+    questions = {r["question"] for r in exclude}
+    programs = {program_key(r["question"]) for r in exclude} if unseen != "question" else set()
+    seen_chains = {ch for r in exclude for ch in chains_of(r["question"])} if unseen == "chain" else set()
+    out = []
+    for _ in range(n * 50):
+        rec, prog, query = make_program(rng, chains=rng.randint(min_chains, max_chains), depth=depth, names=names,
+                                        order=order)
+        if rec["question"] in questions or program_key(rec["question"]) in programs or prog[query] in seen_chains:
+            continue
+        questions.add(rec["question"])
+        out.append(rec)
+        if len(out) == n:
+            return out
+    raise ValueError(f"could only make {len(out)} of {n} binding programs unseen by {unseen}; raise names or "
+                     "depth, or ask for fewer")
+
+
+def chains_of(question: str) -> set[Chain]:
+    """Every chain of a program `(root digit, names root -> tail)`, read back from its question."""
+    bound = dict(line.split("=") for line in program_key(question))
+    referenced = set(bound.values())
+    out = set()
+    for tail in (name for name in bound if name not in referenced):
+        path = [tail]
+        while not bound[path[-1]].isdigit():
+            path.append(bound[path[-1]])
+        out.add((int(bound[path[-1]]), tuple(reversed(path))))
+    return out
+
+
+def check_knobs(*, min_chains: int, max_chains: int, depth: int, names: int, order: str, unseen: str) -> None:
+    """`ValueError` naming the knob when no program can be made with these knobs."""
+    if not 1 <= min_chains <= max_chains <= 10:
+        raise ValueError(f"need 1 <= min_chains <= max_chains <= 10 (one distinct root digit per chain), got "
+                         f"{min_chains}, {max_chains}")
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1 (lookups from the query to its digit), got {depth}")
+    if not 2 <= names <= len(NAME_POOL):
+        raise ValueError(f"names must be in 2..{len(NAME_POOL)} (single letters), got {names}")
+    if max_chains * (depth + 1) > names:
+        raise ValueError(f"{max_chains} chains of depth {depth} need {max_chains * (depth + 1)} distinct names, "
+                         f"only {names} allowed; raise names or lower max_chains or depth")
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r} is not one of {ORDERS}")
+    if unseen not in UNSEEN:
+        raise ValueError(f"unseen {unseen!r} is not one of {UNSEEN}")
+
+
+def make_splits(
+    *,
+    n_pool: int,
+    n_train: int,
+    n_dev: int,
+    n_test: int,
+    n_teacher_dev: int,
+    other_task: bool = True,
+    seed: int = 0,
+    unseen: str = "program",
+    **knobs,
+) -> dict[str, list[dict]]:
+    """The splits of the binding regime, `{name: records}`.
+
+    teacher_pool: the teachers' training programs; train: the student's labelled subset (its first
+    `n_train`); dev, teacher_dev (the teachers' gate), test: held-out programs that share nothing
+    `unseen` names with the pool nor a question with each other; other_task, other_task_dev: depth-1
+    programs of the same names and chains (the `other_task` teacher's pool and gate).
+    """
+    if n_train > n_pool:
+        raise ValueError(f"n_train {n_train} > n_pool {n_pool}: the student's labelled programs are a subset of "
+                         "the teachers' pool; raise n_pool")
+    pool = generate_programs(n_pool, seed, **knobs)
+    held = generate_programs(n_dev + n_teacher_dev + n_test, seed + 1_000_003, unseen=unseen, exclude=pool, **knobs)
+    splits = {"teacher_pool": pool, "train": pool[:n_train], "dev": held[:n_dev],
+              "teacher_dev": held[n_dev:n_dev + n_teacher_dev], "test": held[n_dev + n_teacher_dev:]}
+    if other_task:
+        one = {**knobs, "depth": 1}
+        other = generate_programs(n_pool + n_teacher_dev, seed + 2_000_006, **one)
+        splits.update(other_task=other[:n_pool], other_task_dev=other[n_pool:])
+    return splits
