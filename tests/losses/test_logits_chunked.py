@@ -41,7 +41,7 @@ def _chunked(h, w, b, labels, t1, tl, kind, temp, beta, sw, chunk, ce_scale, kd_
     valid = (targets != -100).float()  # [N]
     kd_w = torch.stack([valid * sw[0].repeat_interleave(T - 1), valid * sw[1].repeat_interleave(T - 1)])  # [2, N]
     teachers = [(flat(t1[0]), t1[1], t1[2]), (flat(tl), None, None)]
-    return chunked_head_loss(flat(h), w, b, targets, teachers, kd_w, ce_scale=ce_scale, kd_scale=kd_scale,
+    return chunked_head_loss(flat(h), w, b, targets, teachers, kd_w, ce_weights=ce_scale, kd_scale=kd_scale,
                              kind=kind, beta=beta, temperature=temp, vocab_size=V, chunk_tokens=chunk)
 
 
@@ -91,7 +91,7 @@ def test_temperature_scales_like_hinton():
     logits = F.linear(h, w, b).detach()
     flat = logits[:, :-1].flatten(0, 1)
     same = chunked_head_loss(h[:, :-1].flatten(0, 1), w, b, labels[:, 1:].flatten(), [(flat, None, None)],
-                             torch.ones(1, flat.shape[0]), ce_scale=0.0, temperature=3.0, chunk_tokens=2)[0]
+                             torch.ones(1, flat.shape[0]), ce_weights=0.0, temperature=3.0, chunk_tokens=2)[0]
     assert float(same.detach()) == pytest.approx(0.0, abs=1e-5)
 
 
@@ -112,3 +112,15 @@ def test_resolve_chunk_tokens():
     assert resolve_chunk_tokens(256, 10, 10) == 256
     assert resolve_chunk_tokens(-1, 2048, 151_936) == AUTO_CHUNK_TOKENS  # Qwen2.5-0.5B head: chunked
     assert resolve_chunk_tokens(-1, 64, 1000) == 0  # tiny: one pass
+
+
+def test_per_token_ce_weights():
+    """A [N] CE weight: the weighted sum of per-token CE (0: a token distilled but not learned)."""
+    h, w, b, labels, _, _ = _problem()
+    hf, targets = h[:, :-1].flatten(0, 1), labels[:, 1:].flatten()  # [N, d], [N]
+    cw = torch.rand(targets.shape[0], generator=torch.Generator().manual_seed(3))
+    loss, ce, _ = chunked_head_loss(hf, w, b, targets, ce_weights=cw, chunk_tokens=4)
+    per_tok = F.cross_entropy(F.linear(hf, w, b), targets, ignore_index=-100, reduction="none")  # [N]
+    torch.testing.assert_close(loss, (per_tok * cw).sum())
+    torch.testing.assert_close(ce, per_tok.sum())
+    torch.testing.assert_close(torch.autograd.grad(loss, w)[0], torch.autograd.grad((per_tok * cw).sum(), w)[0])

@@ -9,8 +9,8 @@ size of the weight's own gradient). The backward only scales them by the incomin
 costs no recompute: the time is about that of plain CE (three matmuls), and the peak holds one
 chunk's `[n, V]` temporaries instead of all N rows'.
 
-The loss is one scalar, `ce_scale * CE sum + kd_scale * KD sum`, because a precomputed gradient
-needs the weights of its terms at forward time; the two sums come back detached for logging.
+The loss is one scalar, `Σ ce_weight_i · CE_i + kd_scale · KD sum`, because a precomputed gradient
+needs the weights of its terms at forward time; the plain CE and KD sums come back detached for logging.
 """
 
 from __future__ import annotations
@@ -48,10 +48,12 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a[:, None], b[:, :, None])[:, 0, 0]
 
 
-def _chunk_grad(z: Tensor, targets: Tensor, teachers: list, sl: slice, kd_w: Tensor, ce_scale: float,
-                kd_scale: float, beta: float, temperature: float, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
-    """`(d total / d z, ce_sum, kd_sum)` of one chunk: student logits `z [n, V_s]`, the teachers' heads
-    (`TeacherHead`, rows `sl`), per-teacher token weights `kd_w [K, n]` (0: not distilled).
+def _chunk_grad(z: Tensor, targets: Tensor, teachers: list, sl: slice, kd_w: Tensor, ce_w: Tensor,
+                kd_scale: float, beta: float, temperature: float, vocab: int
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`(d total / d z, weighted CE, CE sum, KD sum)` of one chunk: student logits `z [n, V_s]`, the teachers'
+    heads (`TeacherHead`, rows `sl`), per-token CE weights `ce_w [n]`, per-teacher token weights `kd_w [K, n]`
+    (0: not distilled).
 
     CE, forward and reverse KL have their gradients in closed form, computed in place (a handful of
     `[n, V]` buffers: memory is the point of chunking); the generalized JSD's mixture goes through autograd.
@@ -60,12 +62,13 @@ def _chunk_grad(z: Tensor, targets: Tensor, teachers: list, sl: slice, kd_w: Ten
     valid = (targets != -100).float()  # [n]
     tgt = targets.clamp(min=0)[:, None]  # [n, 1]
     lse = torch.logsumexp(z, -1)  # [n]
-    ce = ((lse - z.gather(1, tgt)[:, 0]) * valid).sum()
+    ce_tok = (lse - z.gather(1, tgt)[:, 0]) * valid  # [n]
     g = (z - lse[:, None]).exp_()  # [n, V_s] softmax: d CE / dz = softmax - onehot
-    g.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=g.dtype)).mul_((valid * ce_scale)[:, None])
+    g.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=g.dtype)).mul_((valid * ce_w)[:, None])
+    ce_weighted, ce = (ce_tok * ce_w).sum(), ce_tok.sum()
     kd = z.new_zeros(())
     if not teachers:
-        return g, ce, kd
+        return g, ce_weighted, ce, kd
     ls = F.log_softmax(z[:, :vocab] / T, -1)  # [n, V] student log-probs
     z_kd = z[:, :vocab].detach() if 0.0 < beta < 1.0 else None  # the JSD's autograd needs the logits
     del z  # the caller passed its only reference: one [n, V_s] buffer fewer from here on
@@ -91,25 +94,26 @@ def _chunk_grad(z: Tensor, targets: Tensor, teachers: list, sl: slice, kd_w: Ten
             gv.add_(gz)
             div = div.detach()
         kd = kd + (div * wk).sum() * T**2
-    return g, ce, kd
+    return g, ce_weighted, ce, kd
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     """Forward computes the loss and its gradients chunk by chunk; backward scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, teachers, kd_w, ce_scale, kd_scale, beta, temperature,
+    def forward(ctx, hidden, weight, bias, targets, teachers, kd_w, ce_w, kd_scale, beta, temperature,
                 vocab, chunk):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(hidden) if need_h else None  # [N, d]
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # [V_s, d]
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None  # [V_s]
-        ce_sum = kd_sum = hidden.new_zeros((), dtype=torch.float32)
+        ce_total = ce_sum = kd_sum = hidden.new_zeros((), dtype=torch.float32)
         for lo in range(0, hidden.shape[0], chunk):
             sl = slice(lo, lo + chunk)
             h = hidden[sl]  # [n, d]
             # only this chunk's logits [n, V_s] live, and only inside _chunk_grad (which frees them early)
-            g, ce, kd = _chunk_grad(F.linear(h, weight, bias).float(), targets[sl], teachers, sl, kd_w[:, sl], ce_scale, kd_scale, beta,
+            g, ce_weighted, ce, kd = _chunk_grad(F.linear(h, weight, bias).float(), targets[sl], teachers, sl,
+                                                 kd_w[:, sl], ce_w[sl], kd_scale, beta,
                                     temperature, vocab)
             if need_h:
                 grad_h[sl] = g.to(weight.dtype) @ weight  # [n, d]
@@ -117,11 +121,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 grad_w.addmm_(g.T, h.float())  # [V_s, d]
             if need_b:
                 grad_b += g.sum(0)
-            ce_sum, kd_sum = ce_sum + ce, kd_sum + kd
+            ce_total, ce_sum, kd_sum = ce_total + ce_weighted, ce_sum + ce, kd_sum + kd
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(ce_sum, kd_sum)
-        return ce_scale * ce_sum + kd_scale * kd_sum, ce_sum, kd_sum
+        return ce_total + kd_scale * kd_sum, ce_sum, kd_sum
 
     @staticmethod
     def backward(ctx, grad_total, _grad_ce, _grad_kd):
@@ -142,7 +146,7 @@ def chunked_head_loss(
     teachers: Sequence[TeacherHead] = (),
     kd_weights: Tensor | None = None,
     *,
-    ce_scale: float = 1.0,
+    ce_weights: Tensor | float = 1.0,
     kd_scale: float = 1.0,
     kind: str = "forward_kl",
     beta: float = 0.5,
@@ -150,7 +154,7 @@ def chunked_head_loss(
     vocab_size: int | None = None,
     chunk_tokens: int = AUTO_CHUNK_TOKENS,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`ce_scale × CE sum + kd_scale × Σ_teachers KD sum` from hidden states, one chunk of tokens at a time.
+    """`Σ_i ce_weights_i × CE_i + kd_scale × Σ_teachers KD sum` from hidden states, a chunk of tokens at a time.
 
     Equal, to float rounding, to `token_ce_sum` / `logit_kd_sum` on the full logits `hidden @ weight.T + bias`
     (same kinds: `kind_beta`), and so are its gradients to `hidden`, `weight` and `bias`.
@@ -159,6 +163,8 @@ def chunked_head_loss(
         hidden: `[N, d]` the student's final hidden states at the positions that predict a target.
         weight, bias: the student's head `[V_s, d]`, `[V_s]` (or None).
         targets: `[N]` next-token ids, -100 where no CE.
+        ce_weights: weight of each token's CE, `[N]` or one for all (e.g. 1 / the global token count;
+            0 for a token that is distilled but not learned).
         teachers: per teacher `(logits [N, V_t], None, None)` or `(hidden [N, d_t], weight [V_t, d_t], bias)`;
             no gradient reaches them.
         kd_weights: `[K, N]` weight of each teacher's KD at each token (0: not distilled, e.g. the prompt;
@@ -175,5 +181,6 @@ def chunked_head_loss(
     kd_w = hidden.new_zeros((0, hidden.shape[0]), dtype=torch.float32) if not teachers else kd_weights.float()
     vocab = vocab_size or min([weight.shape[0]] + [x.shape[-1] if w is None else w.shape[0] for x, w, _ in teachers])
     chunk = chunk_tokens if 0 < chunk_tokens < hidden.shape[0] else max(hidden.shape[0], 1)
-    return _ChunkedHeadLoss.apply(hidden, weight, bias, targets, teachers, kd_w, ce_scale, kd_scale, b, temperature,
+    ce_w = torch.as_tensor(ce_weights, dtype=torch.float32, device=hidden.device).expand(hidden.shape[0])  # [N]
+    return _ChunkedHeadLoss.apply(hidden, weight, bias, targets, teachers, kd_w, ce_w, kd_scale, b, temperature,
                                   vocab, chunk)
