@@ -251,21 +251,28 @@ SPECIAL = {"eos_token": "</s>", "pad_token": "<pad>", "bos_token": "<s>", "unk_t
 
 
 def build_tokenizer(
-    texts: list[str], vocab_size: int, split_digits: bool = False, char_level: bool = False
+    texts: list[str], vocab_size: int, split_digits: bool = False, char_level: bool = False, numbers_whole: int = 0
 ) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on `texts`; different sizes give different token counts.
 
     `split_digits=True` keeps every digit its own token (as Llama/Qwen tokenizers do), which makes
     arithmetic learnable for tiny models while words still merge into short sequences.
     `char_level=True` learns no merges at all: one token per byte (`vocab_size` is ignored).
+    `numbers_whole=N` (at most 100) makes every number 0..N-1 written as a digit run of its own one
+    token, the same token wherever it stands (digit runs are split from the text around them, and
+    the merges of the numbers the training did not learn are added): modular tasks' number tokens.
     """
+    if split_digits and numbers_whole:
+        raise ValueError("split_digits and numbers_whole exclude each other (digits split vs whole numbers)")
+    if not 0 <= numbers_whole <= 100:  # 3-digit runs would need merges that BPE's ranks cannot order
+        raise ValueError(f"numbers_whole must be in 0..100, got {numbers_whole}")
     if char_level:
         vocab_size = 1  # below the byte alphabet: the trainer keeps the alphabet and adds no merge
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if split_digits else byte_level
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=not numbers_whole), byte_level])
+        if split_digits or numbers_whole else byte_level
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -275,7 +282,21 @@ def build_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    if numbers_whole:
+        tok = _add_number_merges(tok, numbers_whole)
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
+
+
+def _add_number_merges(tok: Tokenizer, n: int) -> Tokenizer:
+    """`tok` with a token and a merge for each of 10..n-1 it lacks (digits are bytes of the alphabet
+    already); a digit run is its own pre-token, so a 2-digit run has one pair: that merge makes it one token."""
+    spec = json.loads(tok.to_str())
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    missing = [str(x) for x in range(10, n) if str(x) not in vocab]
+    next_id = max(vocab.values()) + 1
+    vocab.update({s: next_id + i for i, s in enumerate(missing)})
+    spec["model"]["merges"] = merges + [[s[0], s[1]] for s in missing]
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def save_random_model(cfg: PretrainedConfig, tok: PreTrainedTokenizerBase, path: Path) -> Path:

@@ -25,9 +25,13 @@ from kvdistill.models import build_tokenizer, save_random_model
 from kvdistill.synthetic import make_splits, write_jsonl
 
 
-def tiny_configs(vocab: int, alt_vocab: int) -> dict[str, tuple[object, str]]:
-    """name -> (config, tokenizer name). Teachers differ from the student on L, H_kv and D."""
-    common = {"max_position_embeddings": 512, "tie_word_embeddings": True}
+def tiny_configs(vocab: int, alt_vocab: int, tie_word_embeddings: bool = True) -> dict[str, tuple[object, str]]:
+    """name -> (config, tokenizer name). Teachers differ from the student on L, H_kv and D.
+
+    `tie_word_embeddings=False` gives every model its own output embedding (the modular regime:
+    tied ones would let logit KD shape the input geometry too).
+    """
+    common = {"max_position_embeddings": 512, "tie_word_embeddings": tie_word_embeddings}
     return {
         # 4 layers, 2 KV heads of 16
         "qwen2_teacher": (Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,

@@ -1,0 +1,78 @@
+"""The regimes' tokenizers and models: whole-number tokens for 0..p-1, fields on the right tokens,
+untied input and output embeddings."""
+
+import pytest
+import torch
+
+from kvdistill.data import format_example, tokenize_example
+from kvdistill.fields import IGNORE
+from kvdistill.models import build_tokenizer, load_model, save_random_model
+from kvdistill.tasks import binding, modular
+from kvdistill.tiny import tiny_configs
+
+P = 59
+
+
+@pytest.fixture(scope="module")
+def modular_records():
+    return modular.make_splits(n_dev=20, n_test=20, n_teacher_dev=5, p=P, other_task=False)
+
+
+@pytest.mark.parametrize("vocab_size", [64, 400, 1000])  # below, at and above what the data merges alone
+def test_every_number_below_p_is_one_token_wherever_it_stands(modular_records, vocab_size):
+    texts = [format_example(r).text for r in modular_records["train"][:300]]
+    tok = build_tokenizer(texts, vocab_size, numbers_whole=P)
+    ids = {n: tok(str(n), add_special_tokens=False)["input_ids"] for n in range(P)}
+    assert all(len(i) == 1 for i in ids.values()), {n: i for n, i in ids.items() if len(i) != 1}
+    assert len({i[0] for i in ids.values()}) == P
+    for rec in modular_records["test"][:10]:  # inside a question and after "#### ": the same token
+        ex = tokenize_example(tok, rec)
+        number = ex["field:number"]
+        on = number != IGNORE
+        assert on.sum() == len(rec["token_fields"]["number"])  # one token per number
+        assert all(ex["input_ids"][i].item() == ids[int(number[i])][0] for i in on.nonzero().flatten())
+        answer = int(rec["answer"].split()[-1])
+        assert ex["input_ids"][-2].item() == ids[answer][0]  # the last token before EOS
+
+
+def test_numbers_whole_knobs_are_checked():
+    with pytest.raises(ValueError, match="exclude each other"):
+        build_tokenizer(["1 2"], 300, split_digits=True, numbers_whole=10)
+    with pytest.raises(ValueError, match=r"0\.\.100"):
+        build_tokenizer(["1 2"], 300, numbers_whole=101)
+
+
+def test_without_numbers_whole_a_small_vocab_splits_numbers():
+    """The control of the test above: the plain BPE does not make these tokens by itself."""
+    tok = build_tokenizer(["Question: 12+57=10. What is 3+4?"] * 3, 64)
+    assert any(len(tok(str(n), add_special_tokens=False)["input_ids"]) > 1 for n in range(P))
+
+
+@pytest.mark.parametrize("vocab_size", [300, 1000])
+def test_binding_fields_land_on_the_name_tokens(vocab_size):
+    recs = binding.generate_programs(40, seed=2)
+    tok = build_tokenizer([format_example(r).text for r in recs], vocab_size)
+    for rec in recs:
+        ex = tokenize_example(tok, rec)
+        on = ex["field:name"] != IGNORE
+        assert int(on.sum()) == len(rec["token_fields"]["name"])
+        names = [tok.decode(ex["input_ids"][i]).strip() for i in on.nonzero().flatten()]
+        assert names == [rec["question"][s:e] for s, e, _ in rec["token_fields"]["name"]]
+        assert ex["field:value"][on].tolist() == [v for _, _, v in rec["token_fields"]["value"]]
+        assert (ex["field:chain"][~on] == IGNORE).all()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_untied_embeddings_are_two_tensors_that_train_apart(tie, tmp_path):
+    tok = build_tokenizer(["Question: 1+2=3. What is 2+2?\nAnswer:\n#### 4"] * 3, 300, numbers_whole=10)
+    cfg, _ = tiny_configs(len(tok), len(tok), tie_word_embeddings=tie)["student"]
+    model = load_model(save_random_model(cfg, tok, tmp_path / "m"))
+    emb_in, emb_out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert model.config.tie_word_embeddings is tie and (emb_in is emb_out) is tie
+    before = emb_in.detach().clone(), emb_out.detach().clone()
+    # one step that trains the input side only: a tied output embedding moves with it, an untied one not
+    opt = torch.optim.SGD([emb_in], lr=1.0)
+    model(torch.tensor([[1, 5, 6, 7]]), labels=torch.tensor([[1, 5, 6, 7]])).loss.backward()
+    opt.step()
+    assert not torch.equal(emb_in, before[0])
+    assert torch.equal(emb_out, before[1]) is not tie
