@@ -42,9 +42,9 @@ import torch
 
 from kvdistill.commands.bench import interleaved_times, load_benchmark, torch_threads
 from kvdistill.commands.capture import run_capture
-from kvdistill.commands.train import build_trainer
 from kvdistill.malloc import keep_freed_memory
 from kvdistill.tiny import build_tiny_world
+from kvdistill.train.build import build_trainer
 from kvdistill.train.config import parse_config
 
 TARGET = 3.0

@@ -51,11 +51,11 @@ from transformers import LlamaConfig, Qwen2Config
 
 from kvdistill.commands.bench import interleaved_times, torch_threads
 from kvdistill.commands.profile import measure
-from kvdistill.commands.train import build_trainer
 from kvdistill.losses import token_ce_sum
 from kvdistill.malloc import keep_freed_memory
 from kvdistill.models import load_tokenizer
 from kvdistill.tiny import build_tiny_world, save_random_model
+from kvdistill.train.build import build_trainer
 from kvdistill.train.config import parse_config
 
 TARGET = 1.10

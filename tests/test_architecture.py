@@ -23,6 +23,16 @@ def test_import_contracts_hold():
     assert "0 broken" in res.stdout
 
 
+def test_the_independence_contract_lists_every_command():
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (independent,) = [c for c in contracts if c["type"] == "independence"]
+    commands = {f"kvdistill.commands.{p.stem}" for p in (ROOT / "src/kvdistill/commands").glob("*.py")
+                if p.stem != "__init__"}
+    assert commands - set(independent["modules"]) == set(), "list the new command in pyproject's contract"
+
+
 def test_ruff_is_clean():
     res = subprocess.run([_tool("ruff"), "check", "src", "tests", "benchmarks"], cwd=ROOT, capture_output=True,
                          text=True)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from kvdistill.commands.train import build_trainer
+from kvdistill.train.build import build_trainer
 from kvdistill.train.config import parse_config
 from kvdistill.train.distributed import gathered
 

@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from kvdistill.capture import MANIFEST, CaptureError
 from kvdistill.commands import capture as capture_cmd
-from kvdistill.commands.train import build_trainer
 from kvdistill.teachers import is_captured
+from kvdistill.train.build import build_trainer
 from kvdistill.train.config import parse_config
 
 

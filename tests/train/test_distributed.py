@@ -40,9 +40,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from kvdistill.align.aligner import KVAligner
-from kvdistill.commands.train import build_trainer
 from kvdistill.config import ConfigError
 from kvdistill.teachers import teacher_deepspeed_config
+from kvdistill.train.build import build_trainer
 from kvdistill.train.config import parse_config
 from kvdistill.train.distributed import check_launch, enable_cpu_fsdp
 

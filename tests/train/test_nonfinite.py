@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from kvdistill.cli import main as cli_main
-from kvdistill.commands.train import build_trainer
 from kvdistill.commands.train import main as train_main
 from kvdistill.io import read_jsonl
 from kvdistill.teachers import TeacherSet
+from kvdistill.train.build import build_trainer
 from kvdistill.train.config import parse_config
 from kvdistill.train.trainer import NonFiniteError
 

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from kvdistill.cache import ANSWER, REASONING
-from kvdistill.commands.train import build_trainer
 from kvdistill.commands.train import main as train_main
 from kvdistill.models import ModelLoadError
+from kvdistill.train.build import build_trainer
 from kvdistill.train.config import ConfigError, parse_config
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvdistill.cache import PAD
-from kvdistill.commands.train import build_trainer
 from kvdistill.losses import token_ce_sum
+from kvdistill.train.build import build_trainer
 from kvdistill.train.config import parse_config
 from kvdistill.train.model import LossWeights
 

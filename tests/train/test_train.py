@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvdistill.commands.train import build_trainer
 from kvdistill.commands.train import main as train_main
+from kvdistill.train.build import build_trainer
 from kvdistill.train.config import parse_config
 
 

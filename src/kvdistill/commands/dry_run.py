@@ -63,11 +63,11 @@ from torch import nn
 
 from kvdistill.align.aligner import KVAligner
 from kvdistill.align.layer_map import build_layer_map
-from kvdistill.commands.train import check_relation_heads, make_aligner
 from kvdistill.config import ConfigError
 from kvdistill.io import REPO_ROOT, write_json_atomic
 from kvdistill.models import num_layers, resolve_dtype
 from kvdistill.report import markdown_table, param_count
+from kvdistill.train.build import check_relation_heads, make_aligner
 from kvdistill.train.config import KVDistillConfig, TeacherConfig, parse_config
 
 MODEL_CONFIGS = REPO_ROOT / "configs" / "models"
@@ -362,7 +362,7 @@ def aligner_rows(cfg: KVDistillConfig, specs: list[TeacherConfig], comps: list[C
 
 def dry_run(cfg: KVDistillConfig, planned: dict[str, Any]) -> dict[str, Any]:
     """Build every model and aligner on the meta device; the JSON-able report (`_modules` holds the modules)."""
-    specs = cfg.teacher_configs if cfg.teacher_signal else []  # as `load_run`
+    specs = cfg.active_teachers
     comps = build_components(cfg, specs)
     B = cfg.per_device_train_batch_size + (cfg.transfer_batch_size if cfg.transfer_data and specs else 0)
     T = cfg.max_length

@@ -425,6 +425,11 @@ class KVDistillConfig(TrainingArguments):
         """A teacher signal is on (a weight of `TEACHER_SIGNALS` > 0): the run reads its teachers."""
         return any(getattr(self, k) > 0 for k in TEACHER_SIGNALS)
 
+    @property
+    def active_teachers(self) -> list[TeacherConfig]:
+        """The teachers this run reads: all of them under a teacher signal, none without one."""
+        return self.teacher_configs if self.teacher_signal else []
+
     def teacher_outputs(self, shares_student_tokens: bool) -> tuple[str, bool, bool]:
         """What training reads from a teacher: `(key_space, hidden states?, logits?)`. Hidden states for
         CODI; logits for logit KD, only from a teacher that shares the student's tokens."""

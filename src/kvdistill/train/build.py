@@ -1,0 +1,342 @@
+"""Config -> trainer: everything that turns a `KVDistillConfig` into models, data, teachers, aligners
+and a `KVDistillTrainer`, and a capture's identity. The commands (`train`, `capture`, `dry_run`)
+and the benchmarks call it; no command imports another for these.
+
+    run = load_run(cfg)                      # student, tokenizer, records, teachers, collator
+    settings = capture_settings(cfg, run)    # what a teacher capture of this run must match
+    trainer = build_trainer(cfg)             # all of the above, wired
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from accelerate import PartialState
+from transformers import set_seed
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from kvdistill.align.aligner import KVAligner, cache_dims
+from kvdistill.align.layer_map import build_layer_map
+from kvdistill.cache import SEGMENT_NAMES, extract_kv
+from kvdistill.capture import (
+    load_capture,
+    mapped_layers,
+    tokenizer_hash,
+    update_token_hash,
+    weights_fingerprint,
+)
+from kvdistill.config import ConfigError
+from kvdistill.data import DistillCollator, TeacherView, add_latent_token, load_records
+from kvdistill.fusion import TeacherFusion
+from kvdistill.io import read_json, write_json_atomic
+from kvdistill.losses import RelationKVLoss, build_kv_loss
+from kvdistill.models import (
+    check_length,
+    check_vocab,
+    config_hash,
+    load_model,
+    load_tokenizer,
+    max_positions,
+    num_layers,
+)
+from kvdistill.teachers import Teacher, TeacherSet, load_teacher
+from kvdistill.train.config import KVDistillConfig, TeacherConfig, option_names
+from kvdistill.train.distributed import gathered
+from kvdistill.train.model import KVDistillModel, LossWeights
+from kvdistill.train.trainer import KVDistillTrainer
+
+logger = logging.getLogger(__name__)
+SEGMENT_KEYS = {name: sid for sid, name in SEGMENT_NAMES.items()}
+
+
+def _segment_weights(cfg: KVDistillConfig) -> dict[int, float]:
+    """`segment_weights` with segment names resolved to ids: `{"prompt": 0}` -> `{0: 0.0}`."""
+    return {SEGMENT_KEYS.get(k, k): float(v) for k, v in (cfg.segment_weights or {}).items()}
+
+
+def _kv_loss(cfg: KVDistillConfig):
+    segment_weights = _segment_weights(cfg)
+    if cfg.kv_loss == "relation":
+        return RelationKVLoss(relation_heads=cfg.relation_heads, temperature=cfg.relation_temperature,
+                              reduction="sum", segment_weights=segment_weights, chunk_size=cfg.relation_chunk_size,
+                              compile=cfg.relation_compile)
+    kwargs = {"reduction": "sum", "normalize_target": cfg.normalize_target}
+    if cfg.kv_loss in ("mercator", "hybrid"):
+        kwargs.update(alpha=cfg.mercator_alpha, beta=cfg.mercator_beta)
+    if cfg.kv_loss == "hybrid":
+        kwargs["weight"] = cfg.hybrid_weight
+    if segment_weights:
+        kwargs["segment_weights"] = segment_weights
+    return build_kv_loss(cfg.kv_loss, **kwargs)
+
+
+def check_relation_heads(cfg: KVDistillConfig, name: str, dims: dict[str, int]) -> None:
+    """kv_loss relation splits each side's H*D (`cache_dims`) into `relation_heads` chunks: say so
+    before training starts."""
+    for side in ("student", "teacher"):
+        F = dims[f"{side}_heads"] * dims[f"{side}_key_dim"]
+        if F % cfg.relation_heads:
+            raise ConfigError(f"relation_heads={cfg.relation_heads} does not divide the {side}'s H*D = {F} "
+                              f"(teacher {name}); pick a divisor of {F}")
+
+
+def make_aligner(cfg: KVDistillConfig, spec: TeacherConfig, layer_map: torch.Tensor) -> KVAligner:
+    """One teacher's aligner with the run's options (the teacher's own projector options win)."""
+    return KVAligner(
+        mode=cfg.head_mode, time_mode=cfg.time_mode, layer_map=layer_map,
+        projector="none" if cfg.kv_loss == "relation" else (spec.projector or cfg.projector),
+        mlp_ratio=spec.mlp_ratio if spec.mlp_ratio is not None else cfg.mlp_ratio,
+        dropout=spec.projector_dropout if spec.projector_dropout is not None else cfg.projector_dropout,
+        init=spec.projector_init or cfg.projector_init, share_layers=cfg.share_layers, direction=cfg.direction,
+        trainable=cfg.projector_trainable,
+    )
+
+
+def _kv_segments(cfg: KVDistillConfig) -> tuple[int, ...]:
+    """Segments the KV loss counts tokens in (those not weighted 0)."""
+    w = _segment_weights(cfg)
+    return tuple(s for s in SEGMENT_NAMES if w.get(s, 1.0) > 0)
+
+
+def _layer_map(cfg: KVDistillConfig, spec, student, teacher) -> torch.Tensor:
+    L_s, L_t = num_layers(student), num_layers(teacher)
+    kind = {"cka": "json"}.get(cfg.layer_map, cfg.layer_map)
+    try:
+        return build_layer_map(
+            kind, L_s, L_t, k=cfg.layer_map_k, path=spec.layer_map,
+            student_hash=config_hash(student), teacher_hash=config_hash(teacher),
+            check_hashes=not cfg.ignore_layer_map_hash,
+        )
+    except (OSError, ValueError) as err:  # the builders name the file and the fix
+        raise ConfigError(f"teacher {spec.name}: {err}") from None
+
+
+def teacher_correctness(cfg: KVDistillConfig, teachers: TeacherSet, records: list[dict]) -> torch.Tensor:
+    """`[num_records, N]` 0/1: did each teacher's greedy answer match the gold one (cached on disk).
+
+    Under several processes the main one answers and writes the cache first; the others wait
+    (`main_process_first`) and read it, so no two ranks write the file at once.
+    """
+    from kvdistill.evaluate.scoring import evaluate_model
+
+    state = PartialState()
+    cache = Path(cfg.output_dir) / "teacher_correctness.json"
+    cols = []
+    with state.main_process_first():
+        stored = read_json(cache, {})
+        for t in teachers:
+            key = f"{t.name}:{t.config_hash}:{len(records)}"
+            if key not in stored:
+                logger.info("fusion=correctness: answering %d training problems with teacher %s",
+                            len(records), t.name)
+                res = evaluate_model(t.model, t.tokenizer, records, batch_size=16, max_new_tokens=cfg.max_length,
+                                     template=cfg.prompt_template, perplexity=False)
+                stored[key] = [int(it["correct"]) for it in res["items"]]
+                if state.is_main_process:
+                    write_json_atomic(cache, stored, indent=None)
+            cols.append(torch.tensor(stored[key], dtype=torch.float32))
+    return torch.stack(cols, 1)
+
+
+def check_zero3(cfg: KVDistillConfig) -> None:
+    """Refuse, before anything loads, what has the main process generate alone: under ZeRO-3 on several
+    processes `generate` steps in sync over the ranks (transformers' `synced_gpus`), so it would wait
+    forever for the others."""
+    if cfg.world_size == 1 or not is_deepspeed_zero3_enabled():
+        return
+    why = "which under ZeRO-3 on several processes waits forever for the others"
+    if cfg.fusion == "correctness":
+        raise ConfigError(f"fusion: correctness has the main process answer with each teacher before training, "
+                          f"{why}; use fusion loss_sum or learned, or ZeRO-2")
+    if cfg.accuracy_eval_steps > 0:
+        raise ConfigError(f"accuracy_eval_steps has the main process decode with the student during training, {why}; "
+                          "set accuracy_eval_steps 0 and run `kvdistill eval` on the checkpoints, or use ZeRO-2")
+
+
+@dataclass
+class RunInputs:
+    """What a run reads before any training: tokenizer, student, records, teachers, collator."""
+
+    tokenizer: Any
+    student: Any
+    records: list[dict]  # labelled records, index 0..n-1
+    transfer: list[dict]  # transfer records, index n..n+m-1
+    teachers: list[Teacher]
+    specs: list[TeacherConfig]
+    collator: DistillCollator
+
+
+def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
+    """Load student, data and teachers as `cfg` names them (`teacher_weights=False`: teachers on
+    the meta device, their outputs to come from a capture)."""
+    set_seed(cfg.seed)
+    extra = [t.rationale_field for t in cfg.teacher_configs if t.rationale_field]
+    # labelled records are learned: each answer must say which part is the final answer
+    records = load_records(cfg.data, cfg.data_split, cfg.field_map, cfg.max_samples, extra_fields=extra,
+                           require_final=True)
+    for i, r in enumerate(records):
+        r["index"] = i  # row id, for per-sample teacher weights
+    tokenizer = load_tokenizer(cfg.student)
+    student = load_model(cfg.student, dtype=cfg.student_dtype)
+    specs = cfg.active_teachers
+    teachers = [load_teacher(s, tokenizer, untrained=cfg.teacher_control == "untrained", seed=cfg.seed,
+                             weights=teacher_weights) for s in specs]
+    # before the latent slot token joins the student's tokenizer (teachers never read it)
+    for name, model, tok in [(f"student {cfg.student}", student, tokenizer),
+                             *((f"teacher {t.name}", t.model, t.tokenizer) for t in teachers)]:
+        check_vocab(model, tok, name)
+        check_length(model, cfg.max_length, name, f"max_length {cfg.max_length}",
+                     f"set max_length <= {max_positions(model)}")
+    if cfg.student_input.startswith("latent:") and add_latent_token(tokenizer):
+        # the slot token is new to the student: one more embedding row (mean-initialised)
+        student.resize_token_embeddings(len(tokenizer))
+    if cfg.student_input != "full":  # privileged teachers read the full rationale: never the student's tokens
+        for t in teachers:
+            t.shares_student_tokens = False
+    views = {
+        t.name: TeacherView(t.tokenizer, s.rationale_field)
+        for t, s in zip(teachers, specs) if not t.shares_student_tokens
+    }
+    transfer = []
+    if teachers and cfg.transfer_data:  # without a teacher signal a transfer record teaches nothing
+        transfer = load_records(cfg.transfer_data, cfg.transfer_split, cfg.transfer_field_map or cfg.field_map,
+                                cfg.transfer_max_samples, extra_fields=extra)
+        for i, r in enumerate(transfer):
+            r["index"] = len(records) + i  # after the labelled ids: one teacher-cache id space
+    collator = DistillCollator(tokenizer, cfg.max_length, cfg.prompt_template, cfg.use_chat_template, views,
+                               cfg.student_input, transfer, cfg.transfer_batch_size, cfg.seed)
+    return RunInputs(tokenizer, student, records, transfer, teachers, specs, collator)
+
+
+def cache_key(cfg: KVDistillConfig, teacher: Teacher) -> tuple:
+    """The teacher-cache key of what training reads from `teacher`: KV, hidden states for CODI,
+    logits for logit KD (only from teachers that share the student's tokens)."""
+    return TeacherSet.cache_key(teacher.name, *cfg.teacher_outputs(teacher.shares_student_tokens))
+
+
+def teacher_batches(run: RunInputs, batch_size: int):
+    """Every record (labelled, then transfer) in order, collated without transfer draws."""
+    plain = replace(run.collator, transfer=())
+    every = [*run.records, *run.transfer]
+    for start in range(0, len(every), batch_size):
+        yield plain(every[start : start + batch_size])
+
+
+def teacher_view(batch: dict, name: str) -> dict:
+    """A teacher's own inputs in a collated batch (its tokenizer / rationale), else the student's."""
+    return batch.get("teacher_inputs", {}).get(name, batch)
+
+
+def capture_settings(cfg: KVDistillConfig, run: RunInputs) -> dict[str, dict]:
+    """What each teacher's capture depends on (`{teacher name: settings}`): equal settings <=> the
+    stored tensors are this run's. Derived from the options' roles: the `teacher_inputs` options
+    through a hash of the tokens each teacher reads (tokenised once for all teachers), the
+    `teacher_outputs` ones by value, except those `capture_forms` turns into what they change."""
+    hashes = {t.name: hashlib.sha256() for t in run.teachers}
+    for batch in teacher_batches(run, 256):
+        for t in run.teachers:
+            src = teacher_view(batch, t.name)
+            update_token_hash(hashes[t.name], src["input_ids"].masked_fill(src["attention_mask"] == 0, -1))
+    settings = {}
+    for t, spec in zip(run.teachers, run.specs):
+        _, _, hidden, logits = cache_key(cfg, t)
+        forms = capture_forms(cfg, run, t, spec)
+        settings[t.name] = {
+            "tokenizer": tokenizer_hash(t.tokenizer), "tokens": hashes[t.name].hexdigest()[:16],
+            "records": len(run.records) + len(run.transfer), "hidden_states": hidden, "logits": logits,
+            **{k: getattr(cfg, k) for k in option_names(affects="teacher_outputs") if k not in forms},
+            **{k: getattr(spec, k) for k in option_names(TeacherConfig, affects="teacher_outputs") if k not in forms},
+        }
+        for value in forms.values():
+            settings[t.name].update(value)
+    return settings
+
+
+def capture_forms(cfg: KVDistillConfig, run: RunInputs, t: Teacher, spec: TeacherConfig) -> dict[str, dict]:
+    """`{option: its entries in a capture's settings}` for the `teacher_outputs` options whose value
+    alone would say too much or too little (every other one enters the settings as its value)."""
+    weights = weights_fingerprint(spec.path)
+    if cfg.teacher_control == "untrained":  # random-init copies, drawn from the seed
+        weights += f":untrained:{cfg.seed}"
+    positions = {}
+    if cfg.capture_keep < 1:  # a share of each rationale's positions, picked by one method
+        positions = {"keep": cfg.capture_keep, "method": cfg.capture_compression}
+        if cfg.capture_compression == "rkv":
+            positions["lambda"] = cfg.compression_lambda
+        elif cfg.capture_compression == "random":
+            positions["seed"] = cfg.seed
+    return {
+        "teachers": {},  # each teacher's own options below
+        "path": {"config_hash": t.config_hash, "weights": weights},
+        "teacher_control": {},  # in `weights`
+        "name": {"teacher": t.name},
+        "dtype": {"dtype": str(spec.dtype)},
+        # the teacher layers this run's layer map reads, and no other
+        "capture_layers": {"capture_layers": mapped_layers(_layer_map(cfg, spec, run.student, t.model))}
+        if cfg.capture_layers == "mapped" else {},
+        "capture_keep": {"capture_positions": positions} if positions else {},
+        "capture_compression": {}, "compression_lambda": {},  # in `capture_positions`
+    }
+
+
+def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
+    """Load everything the config names and wire it into a `KVDistillTrainer`."""
+    check_zero3(cfg)
+    run = load_run(cfg, teacher_weights=not cfg.teacher_capture)
+    tokenizer, student, records, teachers, specs = run.tokenizer, run.student, run.records, run.teachers, run.specs
+    collator = run.collator
+    teacher_set = TeacherSet(teachers, cfg.device, offload=cfg.teacher_offload,
+                             cache=cfg.teacher_cache or bool(cfg.teacher_capture))
+    if cfg.teacher_capture and teachers:
+        settings = capture_settings(cfg, run)
+        for t in teachers:
+            n = load_capture(Path(cfg.teacher_capture) / t.name, settings[t.name], teacher_set.cache, cache_key(cfg, t))
+            logger.info("teacher %s: %d records read from the capture in %s", t.name, n, cfg.teacher_capture)
+
+    # size the aligners from one probe batch (dims are read from the caches, so any pair works); under
+    # ZeRO-3 the models were loaded partitioned: each is gathered whole for its probe, one at a time
+    aligners, layer_maps, codi_dims = {}, {}, {}
+    if teachers:
+        probe = collator(records[:2])
+        student.to(cfg.device)
+        with gathered(student.parameters()):
+            skv = extract_kv(student, probe["input_ids"].to(cfg.device), probe["attention_mask"].to(cfg.device),
+                             probe["segment_ids"].to(cfg.device), key_space=cfg.key_space)
+        for t, s in zip(teachers, specs):
+            src = teacher_view(probe, t.name)
+            # the outputs training reads (so a captured teacher serves the probe from its capture)
+            _, key_space, hidden, logits = cache_key(cfg, t)
+            inputs = (src[k].to(cfg.device) for k in ("input_ids", "attention_mask", "segment_ids"))
+            index = probe["index"] if cfg.teacher_capture else None
+            with gathered(t.model.parameters()):
+                tkv, _ = teacher_set.forward(t.name, *inputs, key_space=key_space, output_hidden_states=hidden,
+                                             return_logits=logits, index=index)
+            layer_maps[t.name] = _layer_map(cfg, s, student, t.model)
+            aligner = make_aligner(cfg, s, layer_maps[t.name])
+            aligner.setup(tkv, skv)
+            if cfg.kv_loss == "relation":
+                check_relation_heads(cfg, t.name, cache_dims(tkv, skv))
+            aligners[t.name] = aligner
+            if cfg.codi_weight > 0:
+                codi_dims[t.name] = (t.model.config.hidden_size, student.config.hidden_size)
+    correctness = teacher_correctness(cfg, teacher_set, records) if cfg.fusion == "correctness" and teachers else None
+    weights = [t.weight for t in teachers] or [1.0]
+    fusion = TeacherFusion(cfg.fusion if teachers else "loss_sum", weights, correctness)
+    model = KVDistillModel(
+        student, aligners, fusion, _kv_loss(cfg),
+        LossWeights(cfg.ce_weight, cfg.codi_weight, cfg.logit_kd_weight, cfg.logit_kd_kind, cfg.logit_kd_temperature),
+        key_space=cfg.key_space, codi_dims=codi_dims, kv_segments=_kv_segments(cfg),
+    )
+    accuracy_records = None
+    if cfg.accuracy_eval_steps > 0:
+        accuracy_records = load_records(cfg.data, cfg.accuracy_eval_split, cfg.field_map, cfg.accuracy_eval_limit)
+    return KVDistillTrainer(
+        model=model, args=cfg, train_dataset=datasets.Dataset.from_list(records), data_collator=collator,
+        processing_class=tokenizer, teachers=teacher_set, layer_maps=layer_maps, accuracy_records=accuracy_records,
+    )
