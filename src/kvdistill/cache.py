@@ -124,13 +124,16 @@ def _key_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @contextmanager
-def capture_pre_rope_keys(model: nn.Module, num_kv_heads: int, head_dim: int):
+def capture_pre_rope_keys(model: nn.Module, num_kv_heads: int | None = None, head_dim: int | None = None):
     """Record each layer's key before the rotary embedding via forward hooks.
 
     Yields a list that fills with `[B, H, T, D]` tensors, one per layer, in layer order.
     Models without rotary embeddings (GPT-2) have no `k_proj`: their cached keys already are
-    "pre-RoPE", and the caller falls back to them.
+    "pre-RoPE", and the caller falls back to them. The geometry defaults to the model config's,
+    so a caller can wrap `forward_with_kv` and get pre- and post-RoPE keys from one pass.
     """
+    if num_kv_heads is None or head_dim is None:
+        num_kv_heads, head_dim = _kv_geometry(model)
     captured: list[Tensor] = []
 
     def hook(_module: nn.Module, _inputs: Any, output: Tensor) -> None:
