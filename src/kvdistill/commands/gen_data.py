@@ -1,45 +1,142 @@
-"""`kvdistill gen-data`: write a synthetic GSM8K-format arithmetic dataset (train.jsonl, test.jsonl)."""
+"""`kvdistill gen-data`: write a generated GSM8K-format dataset as jsonl splits.
+
+Tasks (docs/tasks.md):
+  arithmetic  multi-step add/subtract word problems with a rationale: train, dev, test
+  binding     variable-binding programs (`b=7. k=b. What is k?` -> `#### 7`): teacher_pool, train (the
+              student's labelled subset of the pool), dev, teacher_dev (the teachers' gate), test,
+              other_task and other_task_dev (depth-1 programs, for the other-task control teacher)
+  modular     `a+b mod p`, several equations per sequence, one asked: the same splits; train covers
+              `labelled` of the table, dev and test ask pairs without a label, other_task is `a*b mod p`
+
+Every option names its task in `--help` ([binding] ...); setting one of another task is refused.
+`task.json` beside the splits records the options and the split sizes.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config
-from kvdistill.synthetic import OPS, write_dataset
+from kvdistill.io import write_json_atomic
+from kvdistill.synthetic import OPS, generate_problems, make_splits, write_jsonl
+from kvdistill.tasks import binding, modular
+
+TASKS = ("arithmetic", "binding", "modular")
+
+
+def knob(default, help: str, *tasks: str):
+    """An option of some tasks only: its help starts with them (`[binding] ...`), which is where
+    `__post_init__` reads them to refuse it for the others."""
+    return option(default, f"[{', '.join(tasks)}] {help}")
+
+
+def tasks_of(help: str) -> list[str]:
+    """The tasks a `knob`'s help names; [] for an option of every task."""
+    return help[1:help.index("]")].split(", ") if help.startswith("[") else []
 
 
 @dataclass
 class GenDataConfig:
     """Options of `kvdistill gen-data`."""
 
-    output_dir: str | None = option(None, "Output directory (train.jsonl, test.jsonl). Required.", aliases=["--out"])
-    n_train: int = option(2000, "Training problems.")
-    n_test: int = option(500, "Test problems.")
+    output_dir: str | None = option(None, "Output directory (one <split>.jsonl per split). Required.",
+                                    aliases=["--out"])
+    task: str = option("arithmetic", f"Which task: {', '.join(TASKS)}.")
     seed: int = option(0, "Generator seed.")
-    min_steps: int = option(2, "Fewest arithmetic steps per problem.")
-    max_steps: int = option(3, "Most arithmetic steps per problem.")
-    max_value: int = option(20, "Largest operand.")
-    ops: str = option("add,sub", f"Comma-separated subset of {OPS}.")
+    n_dev: int = option(200, "Dev problems (settings and budgets are chosen on them; never on test).")
+    n_test: int = option(500, "Test problems.")
+    n_train: int = knob(2000, "Training problems (binding: the student's labelled subset of the pool).",
+                        "arithmetic", "binding")
+    min_steps: int = knob(2, "Fewest arithmetic steps per problem.", "arithmetic")
+    max_steps: int = knob(3, "Most arithmetic steps per problem.", "arithmetic")
+    max_value: int = knob(20, "Largest operand.", "arithmetic")
+    ops: str = knob("add,sub", f"Comma-separated subset of {OPS}.", "arithmetic")
+    n_pool: int = knob(20000, "Programs in the teachers' pool (and in other_task).", "binding")
+    n_teacher_dev: int = knob(200, "Held-out problems of the teachers' gate (and of other_task_dev).",
+                              "binding", "modular")
+    other_task: bool = knob(True, "Also write other_task / other_task_dev (binding: depth-1 programs; modular: "
+                            "the other op).", "binding", "modular")
+    min_chains: int = knob(2, "Fewest chains per program.", "binding")
+    max_chains: int = knob(3, "Most chains per program (at most 10: one root digit each).", "binding")
+    depth: int = knob(2, "Lookups from the queried name to its digit (1: the depth-1 variant).", "binding")
+    names: int = knob(14, "Variable names to draw from (the first N lowercase letters).", "binding")
+    order: str = knob("interleave", f"Line order, one of {binding.ORDERS}: interleave keeps each chain's lines in "
+                      "definition order (every name's value is known where it stands); shuffle does not.", "binding")
+    unseen: str = knob("program", f"What dev/test share with no pool problem, one of {binding.UNSEEN}: program = its "
+                       "set of lines in any order; chain = also the queried chain.", "binding")
+    modulus: int = knob(59, "p of `a op b mod p` (3..100; whole-number tokens cover 0..p-1).", "modular")
+    op: str = knob("add", f"The operation, one of {tuple(modular.OPS)} (other_task uses the other).", "modular")
+    labelled: float = knob(0.35, "Share of the p*p table the student has labels for (train).", "modular")
+    teacher_fraction: float = knob(0.9, "Share of the table the teachers train on (includes the labelled "
+                                   "pairs; the rest is their held-out gate).", "modular")
+    min_equations: int = knob(6, "Fewest equations per sequence (the last one is asked).", "modular")
+    max_equations: int = knob(8, "Most equations per sequence.", "modular")
+    repeats: int = knob(1, "Times each training pair is asked (with other contexts) in train and teacher_pool.",
+                        "modular")
 
     def __post_init__(self) -> None:
         if not self.output_dir:
             raise ConfigError("no output directory: pass --output_dir DIR")
-        if self.n_train < 0 or self.n_test < 0 or not 1 <= self.min_steps <= self.max_steps or self.max_value < 2:
-            raise ConfigError("need n_train, n_test >= 0, 1 <= min_steps <= max_steps and max_value >= 2")
-        bad = set(self.ops.split(",")) - set(OPS)
-        if bad:
-            raise ConfigError(f"ops: unknown {sorted(bad)}; choose from {OPS}")
+        if self.task not in TASKS:
+            raise ConfigError(f"task {self.task!r} is not one of {TASKS}")
+        for f in fields(self):
+            tasks = tasks_of(f.metadata["help"])
+            if tasks and self.task not in tasks and getattr(self, f.name) != f.default:
+                raise ConfigError(f"--{f.name} is an option of --task {'/'.join(tasks)}, not of {self.task}; "
+                                  "drop it or pick that task")
+        counts = ("n_train", "n_dev", "n_test", "n_pool", "n_teacher_dev")
+        if bad := [n for n in counts if getattr(self, n) < 0]:
+            raise ConfigError(f"{', '.join(bad)} must be >= 0")
+        if self.task == "arithmetic":
+            if not 1 <= self.min_steps <= self.max_steps or self.max_value < 2:
+                raise ConfigError("need 1 <= min_steps <= max_steps and max_value >= 2")
+            if bad := set(self.ops.split(",")) - set(OPS):
+                raise ConfigError(f"ops: unknown {sorted(bad)}; choose from {OPS}")
+        try:  # the task's own checks, before anything is generated
+            if self.task == "binding":
+                binding.check_knobs(min_chains=self.min_chains, max_chains=self.max_chains, depth=self.depth,
+                                    names=self.names, order=self.order, unseen=self.unseen)
+            elif self.task == "modular":
+                modular.check_knobs(p=self.modulus, op=self.op, labelled=self.labelled,
+                                    teacher_fraction=self.teacher_fraction, min_equations=self.min_equations,
+                                    max_equations=self.max_equations)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+def make_task_splits(cfg: GenDataConfig) -> dict[str, list[dict]]:
+    """`{split: records}` of `cfg.task`; `ValueError` when these knobs cannot make that many."""
+    if cfg.task == "binding":
+        return binding.make_splits(
+            n_pool=cfg.n_pool, n_train=cfg.n_train, n_dev=cfg.n_dev, n_test=cfg.n_test,
+            n_teacher_dev=cfg.n_teacher_dev, other_task=cfg.other_task, seed=cfg.seed, unseen=cfg.unseen,
+            min_chains=cfg.min_chains, max_chains=cfg.max_chains, depth=cfg.depth, names=cfg.names, order=cfg.order,
+        )
+    if cfg.task == "modular":
+        return modular.make_splits(
+            n_dev=cfg.n_dev, n_test=cfg.n_test, n_teacher_dev=cfg.n_teacher_dev, p=cfg.modulus, op=cfg.op,
+            labelled=cfg.labelled, teacher_fraction=cfg.teacher_fraction, min_equations=cfg.min_equations,
+            max_equations=cfg.max_equations, repeats=cfg.repeats, other_task=cfg.other_task, seed=cfg.seed,
+        )
+    knobs = dict(min_steps=cfg.min_steps, max_steps=cfg.max_steps, max_value=cfg.max_value, ops=cfg.ops.split(","))
+    train, test = make_splits(cfg.n_train, cfg.n_test, cfg.seed, **knobs)
+    dev = generate_problems(cfg.n_dev, cfg.seed + 2_000_006, exclude=[r["question"] for r in train + test], **knobs)
+    return {"train": train, "dev": dev, "test": test}
 
 
 def main(argv: list[str]) -> int:
     cfg = parse_config(GenDataConfig, argv, "kvdistill gen-data", __doc__)
     check_output_dir(cfg.output_dir)
     try:
-        out = write_dataset(
-            cfg.output_dir, cfg.n_train, cfg.n_test, cfg.seed,
-            min_steps=cfg.min_steps, max_steps=cfg.max_steps, max_value=cfg.max_value, ops=cfg.ops.split(","),
-        )
+        splits = make_task_splits(cfg)
     except ValueError as err:  # too few distinct problems for these knobs; the message names them
         raise ConfigError(str(err)) from None
-    print(f"wrote {cfg.n_train} train / {cfg.n_test} test problems to {out}")
+    out = Path(cfg.output_dir)
+    for name, records in splits.items():
+        write_jsonl(records, out / f"{name}.jsonl")
+    sizes = {name: len(records) for name, records in splits.items()}
+    options = {f.name: getattr(cfg, f.name) for f in fields(cfg) if cfg.task in (tasks_of(f.metadata["help"]) or [cfg.task])}
+    write_json_atomic(out / "task.json", {"options": options, "splits": sizes})
+    print(f"wrote {cfg.task}: " + ", ".join(f"{name} {n}" for name, n in sizes.items()) + f" to {out}")
     return 0

@@ -1,0 +1,86 @@
+"""`kvdistill gen-data --task arithmetic|binding|modular`: the splits each task writes, loadable as
+training data, deterministic; its knobs in --help; impossible or foreign knobs refused in one line."""
+
+import json
+
+import pytest
+
+from kvdistill.cli import main
+from kvdistill.data import load_records
+
+SMALL = {
+    "arithmetic": ["--n_train", "20", "--n_dev", "5", "--n_test", "5"],
+    "binding": ["--n_pool", "40", "--n_train", "10", "--n_dev", "5", "--n_teacher_dev", "5", "--n_test", "5"],
+    "modular": ["--modulus", "13", "--n_dev", "5", "--n_teacher_dev", "5", "--n_test", "5"],
+}
+SPLITS = {
+    "arithmetic": {"train": 20, "dev": 5, "test": 5},
+    "binding": {"teacher_pool": 40, "train": 10, "dev": 5, "teacher_dev": 5, "test": 5, "other_task": 40,
+                "other_task_dev": 5},
+    "modular": {"teacher_pool": round(0.9 * 13 * 13), "train": round(0.35 * 13 * 13), "dev": 5, "teacher_dev": 5,
+                "test": 5, "other_task": round(0.9 * 13 * 13), "other_task_dev": 5},
+}
+
+
+def gen(out, task, *extra):
+    assert main(["gen-data", "--task", task, "--output_dir", str(out), *SMALL[task], *extra]) == 0
+    return out
+
+
+@pytest.mark.parametrize("task", SPLITS)
+def test_writes_each_tasks_splits_loadable_and_deterministic(task, tmp_path):
+    out = gen(tmp_path / "a", task)
+    manifest = json.loads((out / "task.json").read_text())
+    assert manifest["splits"] == SPLITS[task] and manifest["options"]["task"] == task
+    assert "modulus" not in manifest["options"] or task == "modular"  # only the task's own options
+    questions = set()
+    for split, n in SPLITS[task].items():
+        recs = load_records(out, split, require_final=True)
+        assert len(recs) == n
+        if split not in ("train", "other_task", "other_task_dev"):  # train is the pool's subset
+            assert not questions & {r["question"] for r in recs}, split
+            questions |= {r["question"] for r in recs}
+        assert task == "arithmetic" or all(r["token_fields"] for r in recs)
+    again = gen(tmp_path / "b", task)
+    assert all((out / f"{s}.jsonl").read_text() == (again / f"{s}.jsonl").read_text() for s in SPLITS[task])
+
+
+def test_binding_knobs_reach_the_generator(tmp_path):
+    out = gen(tmp_path, "binding", "--depth", "1", "--min_chains", "3", "--max_chains", "3", "--no_other_task")
+    assert not (out / "other_task.jsonl").exists()
+    rec = load_records(out, "test")[0]
+    assert len(rec["question"].split(". ")) - 1 == 3 * 2  # 3 chains of a root and one reference
+
+
+def test_help_lists_every_tasks_knobs(capsys):
+    with pytest.raises(SystemExit):
+        main(["gen-data", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--task", "--depth", "--names", "--unseen", "--modulus", "--labelled", "--op", "--max_steps"):
+        assert flag in text
+    assert "[binding] Lookups" in text and "[modular] p of" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "binding", "--max_chains", "5", "--names", "12"], "need 15 distinct names, only 12 allowed"),
+    (["--task", "binding", "--n_pool", "5", "--n_train", "10"], "n_train 10 > n_pool 5"),
+    (["--task", "modular", "--labelled", "0.95"], "0 < labelled < teacher_fraction <= 1"),
+    (["--task", "modular", "--modulus", "7", "--n_test", "100"], "ask for fewer"),
+    (["--task", "modular", "--depth", "1"], "--depth is an option of --task binding, not of modular"),
+    (["--task", "arithmetic", "--modulus", "13"], "--modulus is an option of --task modular"),
+    (["--task", "sorting"], "task 'sorting' is not one of"),
+])
+def test_impossible_knobs_are_one_line_errors_and_write_nothing(argv, message, tmp_path, capsys):
+    assert main(["gen-data", "--output_dir", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not list(tmp_path.glob("out/*.jsonl"))
+
+
+def test_arithmetic_dev_is_disjoint_even_where_problems_are_few(tmp_path):
+    """1-step problems up to 2: under 600 distinct questions, so only the exclusion keeps dev apart."""
+    out = tmp_path / "crowded"
+    assert main(["gen-data", "--output_dir", str(out), "--n_train", "300", "--n_test", "100", "--n_dev", "100",
+                 "--min_steps", "1", "--max_steps", "1", "--max_value", "2"]) == 0
+    seen = [{r["question"] for r in load_records(out, split)} for split in ("train", "dev", "test")]
+    assert sum(map(len, seen)) == len(set.union(*seen)) == 500
