@@ -426,3 +426,174 @@ def test_capture_trains_every_seed_from_one_capture_per_variant(tiny_world, tmp_
             saved = yaml.safe_load((tmp_path / "cTrue" / "runs" / variant / f"seed_{seed}" / "train_config.yaml").read_text())
             assert saved["teacher_capture"].startswith(str(captures))
     assert results[True] == pytest.approx(results[False], rel=1e-5)  # accuracy, final CE and cos-sim of a run
+
+
+# ============================================================================= continuous metrics, equivalence,
+# pre-registration (issue 30 items 5-6): synthetic runs only, nothing trains
+
+
+class CurveRuns(FakeRuns):
+    """FakeRuns whose runs also log a dev-accuracy curve (`eval_accuracy` at steps 2..10, reaching
+    `acc * step / 10 + 0.01 * seed`) and whose evaluation writes an answer NLL (`2 - acc + 0.01 * seed`)."""
+
+    def train(self, argv):
+        rc = super().train(argv)
+        cfg = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+        out, seed = Path(cfg["output_dir"]), int(cfg["seed"])
+        acc = self.acc[out.parent.name]
+        with (out / "metrics.jsonl").open("a") as fh:
+            for step in range(2, 11, 2):
+                fh.write(json.dumps({"step": step, "eval_accuracy": acc * step / 10 + 0.01 * seed}) + "\n")
+        return rc
+
+    def eval(self, model_dir, out_dir, settings):
+        super().eval(model_dir, out_dir, settings)
+        variant, seed = Path(model_dir).parent.name, int(Path(model_dir).name.split("_")[1])
+        path = Path(out_dir) / "summary.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "answer_nll": 2 - self.acc[variant] + 0.01 * seed}))
+
+
+def _curve_ablation(tmp_path, **extra):
+    _write_yaml(tmp_path / "train.yaml", {"student": "s"})
+    spec = {"base_config": "train.yaml", "output_dir": str(tmp_path / "out"), "seeds": [0, 1, 2, 3, 4],
+            "variants": ["baseline", "kv", {"name": "same", "overrides": {"kv_weight": 0.0}}],
+            "n_resamples": 500, **extra}
+    return _write_yaml(tmp_path / "a.yaml", spec)
+
+
+def test_answer_nll_steps_to_threshold_welch_and_tost_in_the_report(tmp_path):
+    abl = _curve_ablation(tmp_path, threshold=0.5, margin=0.05)
+    fake = CurveRuns({"baseline": 0.3, "kv": 0.7, "same": 0.3})
+    report = run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    kv, base = report["variants"]["kv"], report["variants"]["baseline"]
+    # kv: 0.7 * 8 / 10 + 0.01 s >= 0.5 first at step 8 (step 6: 0.42 + 0.01 s < 0.5); the baseline never: censored at 10
+    assert kv["runs"]["3"]["steps"] == (8, True) and base["runs"]["3"]["steps"] == (10, False)
+    assert kv["steps_to_threshold"] == {"n": 5, "reached": 5, "median": 8}
+    assert base["steps_to_threshold"]["reached"] == 0 and base["steps_to_threshold"]["median"] == float("inf")
+    assert kv["answer_nll"]["mean"] == pytest.approx(1.3 + 0.02)
+    cmp_ = kv["vs_baseline"]
+    assert cmp_["steps"]["logrank"]["p_value"] < 0.01 and cmp_["steps"]["logrank"]["statistic"] > 0
+    assert cmp_["steps"]["mann_whitney"]["p_value"] < 0.05
+    assert cmp_["answer_nll"]["mean_diff"] == pytest.approx(-0.4) and cmp_["answer_nll"]["paired_t"]["p_value"] == 0.0
+    assert cmp_["welch"]["n"] == 10 and cmp_["welch"]["p_value"] < 0.05
+    assert not cmp_["tost"]["equivalent"]  # 0.4 apart: not equivalent within 0.05
+    same = report["variants"]["same"]["vs_baseline"]
+    assert same["tost"]["equivalent"] and same["tost"]["verdict"] == "equivalent within ±0.05"
+    md = (tmp_path / "out" / "ablation.md").read_text()
+    assert "| Welch p (seeds) |" in md and "## Answer NLL, steps to the threshold, equivalence" in md
+    assert "| +KV | 1.320 ± 0.016 | 5/5 | 8 | Baseline (SFT) | -0.400 |" in md
+    assert "| Baseline (SFT) | 1.720 ± 0.016 | 0/5 | never |" in md
+    assert "| Baseline (SFT) | 3 | 0.2" in md and "| 10 | > 10 |" in md  # runs table: censored at the budget
+    saved = json.loads((tmp_path / "out" / "ablation.json").read_text())  # strict JSON: inf -> null
+    assert saved["variants"]["baseline"]["steps_to_threshold"]["median"] is None
+    # without a dev curve: no steps (and no crash)
+    fake_flat = FakeRuns(fake.acc)
+    report = run_ablation(load_ablation_config(abl, output_dir=str(tmp_path / "flat")), train_fn=fake_flat.train,
+                          eval_fn=fake_flat.eval, log=lambda s: None)
+    assert report["variants"]["kv"]["steps_to_threshold"]["n"] == 0
+    assert report["variants"]["kv"]["vs_baseline"]["steps"] is None
+
+
+@pytest.mark.parametrize("primary, words", [
+    ({"comparison": ["kv", "baseline"], "test": "welch"}, "+KV beats Baseline (SFT) on accuracy at alpha 0.05"),
+    (["baseline", "kv"], "+KV beats Baseline (SFT) on accuracy at alpha 0.05 (paired t p"),
+    ({"comparison": ["kv", "baseline"], "metric": "answer_nll", "test": "mann_whitney"},
+     "+KV beats Baseline (SFT) on answer nll at alpha 0.05"),
+    ({"comparison": ["kv", "baseline"], "metric": "steps_to_threshold", "test": "logrank", "alpha": 0.01},
+     "+KV beats Baseline (SFT) on steps to threshold at alpha 0.01 (logrank p"),
+    ({"comparison": ["same", "baseline"], "test": "welch"}, "neither shown: same vs Baseline (SFT) on accuracy"),
+    ({"comparison": ["same", "baseline"], "test": "tost", "margin": 0.05},
+     "same and Baseline (SFT) are equivalent within ±0.05 on accuracy at alpha 0.05 (TOST p"),
+    ({"comparison": ["kv", "baseline"], "test": "tost", "margin": 0.05, "paired": True},
+     "+KV and Baseline (SFT) are not shown equivalent within ±0.05 on accuracy"),
+])
+def test_the_report_leads_with_the_primary_result_in_words(tmp_path, primary, words):
+    abl = _curve_ablation(tmp_path, threshold=0.5, primary=primary, hypothesis="KV makes the student better")
+    fake = CurveRuns({"baseline": 0.3, "kv": 0.7, "same": 0.3})
+    report = run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    assert report["primary"]["verdict"].startswith(words)
+    lead = (tmp_path / "out" / "ablation.md").read_text().split("Base config")[0]  # before anything else
+    assert lead.startswith("# Ablation\n\n**Hypothesis** (pre-registered 20") and "KV makes the student better" in lead
+    assert f"**Primary result** ({report['primary']['spec']['metric'].replace('_', ' ')}" in lead and words in lead
+
+
+def test_preregistration_is_written_before_the_first_run_and_fixed_once_runs_exist(tmp_path):
+    primary = {"comparison": ["kv", "baseline"], "test": "welch"}
+    abl = _curve_ablation(tmp_path, hypothesis="KV helps", primary=primary)
+    record = tmp_path / "out" / "preregistration.json"
+    fake = CurveRuns({"baseline": 0.3, "kv": 0.7, "same": 0.3})
+
+    def train(argv):  # the record is on disk before anything trains
+        saved = json.loads(record.read_text())
+        assert saved["hypothesis"] == "KV helps" and saved["primary"]["test"] == "welch"
+        return fake.train(argv)
+
+    cfg = load_ablation_config(abl)
+    run_ablation(cfg, train_fn=train, eval_fn=fake.eval, log=lambda s: None)
+    first = json.loads(record.read_text())
+    assert first["config_hash"] == ablate.preregistration(cfg)["config_hash"] and first["config"]["seeds"] == [0, 1, 2, 3, 4]
+    run_ablation(load_ablation_config(abl), train_fn=train, eval_fn=fake.eval, log=lambda s: None)  # same: resumes
+    assert json.loads(record.read_text())["registered"] == first["registered"]
+    for change, what in (({"hypothesis": "KV hurts"}, "another hypothesis"),
+                         ({"primary": {**primary, "test": "mann_whitney"}}, "another primary"),
+                         ({"seeds": [0, 1, 2, 3, 4, 5]}, "another config hash"),
+                         ({"overrides": {"max_steps": 20}}, "another config hash")):
+        with pytest.raises(ConfigError, match=f"holds runs pre-registered under {what} .*restore the ablation YAML "
+                                              "or set another output_dir"):
+            run_ablation(load_ablation_config(_curve_ablation(tmp_path, **{"hypothesis": "KV helps", "primary": primary,
+                                                                           **change})),
+                         train_fn=train, eval_fn=fake.eval, log=lambda s: None)
+    assert json.loads(record.read_text()) == first  # untouched by the refused runs
+    # --report_only writes no record, and the report names the registration
+    abl = _curve_ablation(tmp_path, hypothesis="KV helps", primary=primary)
+    assert main(["--config", str(abl), "--report_only"]) == 0
+    assert json.loads(record.read_text()) == first
+    assert f"config hash `{first['config_hash']}`" in (tmp_path / "out" / "ablation.md").read_text()
+
+
+def test_a_hypothesis_named_after_the_runs_is_refused_and_none_is_never_refused(tmp_path):
+    fake = CurveRuns({"baseline": 0.3, "kv": 0.7, "same": 0.3})
+    run = dict(train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    run_ablation(load_ablation_config(_curve_ablation(tmp_path)), **run)  # no hypothesis: recorded, not fixed
+    record = tmp_path / "out" / "preregistration.json"
+    assert json.loads(record.read_text())["hypothesis"] is None
+    run_ablation(load_ablation_config(_curve_ablation(tmp_path, variants=["baseline", "kv"])), **run)  # may change
+    record.unlink()  # runs from before pre-registration existed
+    with pytest.raises(ConfigError, match="holds runs made before any pre-registration"):
+        run_ablation(load_ablation_config(_curve_ablation(tmp_path, hypothesis="KV helps")), **run)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"primary": {"comparison": ["kv", "nope"]}}, "primary comparison must name two of the variants"),
+    ({"primary": {"comparison": ["kv", "baseline"], "metric": "bleu"}}, "primary metric 'bleu' is not one of"),
+    ({"primary": {"comparison": ["kv", "baseline"], "test": "logrank"}},
+     "primary test 'logrank' does not fit metric accuracy; use one of"),
+    ({"primary": {"comparison": ["kv", "baseline"], "metric": "steps_to_threshold", "test": "welch"},
+      "threshold": 0.5}, "does not fit metric steps_to_threshold"),
+    ({"primary": {"comparison": ["kv", "baseline"], "test": "tost"}}, "tost needs margin: > 0"),
+    ({"primary": {"comparison": ["kv", "baseline"], "metric": "steps_to_threshold", "test": "logrank"}},
+     "steps_to_threshold needs `threshold:`"),
+    ({"primary": {"comparison": ["kv", "baseline"], "alpha": 0.7}}, r"alpha must be in \(0, 0.5\)"),
+    ({"primary": {"comparison": ["kv", "baseline"], "tets": "welch"}}, r"unknown keys \['tets'\]"),
+    ({"threshold": 1.5}, r"threshold is a dev accuracy in \(0, 1\]"),
+    ({"margin": -0.1}, "margin is an accuracy difference"),
+])
+def test_primary_and_threshold_config_errors(tmp_path, extra, message):
+    with pytest.raises(AblationError, match=message):
+        load_ablation_config(_curve_ablation(tmp_path, **extra))
+
+
+def test_evidence_configs_load_and_their_committed_reports_render():
+    """The evidence YAMLs (no hypothesis) still load, `[a, b]` primaries read as paired t on accuracy; the
+    committed reports (older ablation.json without the new keys) render."""
+    root = Path(__file__).resolve().parents[2]
+    configs = sorted((root / "configs" / "demo").glob("evidence*.yaml"))
+    assert configs
+    for path in configs:
+        cfg = load_ablation_config(path)
+        assert cfg.hypothesis is None and (cfg.primary is None or cfg.primary.test == "paired_t")
+    for path in sorted((root / "docs" / "results").glob("evidence*/ablation.json")):
+        report = json.loads(path.read_text())
+        report.pop("environments", None)  # older reports stored them as strings
+        md = ablate.render_markdown(report)
+        assert "| Welch p (seeds) |" in md and "## Runs" in md

@@ -48,6 +48,16 @@ import yaml
 
 from kvdistill.commands.eval import EvalConfig
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config, read_yaml, to_plain
+from kvdistill.evaluate.comparisons import (
+    compare_steps,
+    compare_values,
+    fmt_reached,
+    median_steps,
+    render_continuous,
+    run_test,
+    steps_to_threshold,
+)
+from kvdistill.evaluate.prereg import make_record, parse_primary, preregister, primary_verdict, render_lead
 from kvdistill.evaluate.stats import mean_std, paired_bootstrap, paired_permutation_test, paired_ttest
 from kvdistill.io import read_json, read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.malloc import keep_freed_memory
@@ -262,7 +272,15 @@ class AblationConfig:
                                          "`--list_variants` shows the built-ins.")
     overrides: None | str | dict = option({}, "Train-config overrides applied to every run, before the variant's.")
     baseline: str | None = option(None, "The variant every other is compared with (default: baseline, or the first).")
-    primary: None | str | list = option(None, "The primary comparison, named before the run: [variant, reference].")
+    primary: None | str | list | dict = option(None, "The primary comparison, named before the run: [variant, "
+                                               "reference], or {comparison: [a, b], metric: accuracy|answer_nll|"
+                                               "steps_to_threshold, test: paired_t|welch|mann_whitney|logrank|tost, "
+                                               "alpha, margin, paired} (docs/evaluation.md).")
+    hypothesis: str | None = option(None, "The hypothesis, in words; written with the primary test and a config hash "
+                                    "to preregistration.json before the first run.")
+    threshold: float | None = option(None, "Dev accuracy for steps-to-threshold (from each run's eval_accuracy curve; "
+                                     "runs need accuracy_eval_steps > 0).")
+    margin: float | None = option(None, "Equivalence margin (accuracy) for the TOST of every comparison.")
     eval: None | str | dict = option({}, "`kvdistill eval` settings for every run (keys of EvalConfig: split, limit, "
                                      "batch_size, max_new_tokens, ...).")
     n_resamples: int = option(10_000, "Permutation / bootstrap resamples.")
@@ -297,13 +315,17 @@ class AblationConfig:
                 raise AblationError(f"variant {v.name!r} is compared with {v.reference!r}: add it to the variants")
         if self.workers < 1 or self.threads < 1:
             raise AblationError("workers and threads must be >= 1")
-        self.primary = to_plain(self.primary)
-        if self.primary is not None and (
-            not isinstance(self.primary, list) or len(self.primary) != 2 or not set(self.primary) <= set(names)
-        ):
-            raise AblationError(f"primary must name two of the variants {names} as [variant, reference]")
+        if self.threshold is not None and not 0 < self.threshold <= 1:
+            raise AblationError(f"threshold is a dev accuracy in (0, 1], got {self.threshold}")
+        if self.margin is not None and not 0 < self.margin < 1:
+            raise AblationError(f"margin is an accuracy difference in (0, 1), got {self.margin}")
+        try:
+            self.primary = parse_primary(to_plain(self.primary), names, self.threshold)
+        except ConfigError as err:
+            raise AblationError(str(err)) from None
         eval_keys = {f.name for f in fields(EvalConfig)} - {"model", "output_dir", "no_progress", "stop",
-                                                            "no_perplexity"} | {"stop_strings", "perplexity"}
+                                                            "no_perplexity", "no_answer_nll"} | {
+            "stop_strings", "perplexity", "answer_nll"}
         unknown = set(self.eval) - eval_keys
         if unknown:
             raise AblationError(f"eval: unknown keys {sorted(unknown)}; allowed {sorted(eval_keys)}")
@@ -581,6 +603,8 @@ def run_ablation(
     eval_fn = eval_fn or _default_eval
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # before any run: the hypothesis and primary test are fixed, or this output dir is refused
+    preregister(out, preregistration(cfg), any((out / "runs").glob("*/seed_*/train_config.yaml")), log)
     # seed-major order: a partial ablation already holds complete seeds for every variant
     jobs = [(v, s) for s in cfg.seeds for v in cfg.variants]
     todo: list[_Job] = []
@@ -620,11 +644,31 @@ def read_run(rdir: Path) -> dict[str, Any] | None:
     """One finished run: eval summary, per-item correctness by index, train summary, curves."""
     summary = read_json(rdir / "eval" / "summary.json")
     if summary is None:
+def preregistration(cfg: AblationConfig) -> dict[str, Any]:
+    """The pre-registration record of `cfg`: hypothesis, primary and the hash of what defines the runs and
+    the analysis (the base config's content, every variant's settings, seeds, eval, threshold, margin)."""
+    definition = {
+        "base_config": read_yaml(cfg.base_config, "base_config"),
+        "overrides": cfg.overrides,
+        "variants": [{"name": v.name, "overrides": v.overrides, "reference": v.reference, "controls": v.controls}
+                     for v in cfg.variants],
+        "seeds": cfg.seeds, "baseline": cfg.baseline, "eval": cfg.eval,
+        "threshold": cfg.threshold, "margin": cfg.margin,
+    }
+    return make_record(cfg.hypothesis, cfg.primary, definition)
+
+
+def _values(runs: Mapping[int, Mapping[str, Any]], key: str) -> dict[int, Any]:
+    """`{seed: run[key]}` of the runs that have it."""
+    return {s: r[key] for s, r in runs.items() if r.get(key) is not None}
+
+
         return None
     items = {int(row["index"]): bool(row["correct"]) for row in read_jsonl(rdir / "eval" / "items.jsonl")}
     train = read_json(rdir / "train_summary.json", {})
     final = train.get("final") or {}
     return {
+    margin: float | None = None,
         "accuracy": summary.get("accuracy"),
         "ci_low": summary.get("ci_low"),
         "ci_high": summary.get("ci_high"),
@@ -642,6 +686,9 @@ def read_run(rdir: Path) -> dict[str, Any] | None:
 
 
 # ----------------------------------------------------------------------------- statistics
+    acc = compare_values(_values(runs, "accuracy"), _values(base_runs, "accuracy"), margin=margin)
+    nll_a, nll_b = _values(runs, "answer_nll"), _values(base_runs, "answer_nll")
+    steps_a, steps_b = _values(runs, "steps"), _values(base_runs, "steps")
 
 
 def compare(
@@ -650,7 +697,14 @@ def compare(
     n_resamples: int = 10_000,
 ) -> dict[str, Any]:
     """Variant vs baseline on the seeds both have: paired t-test over seeds, permutation and
-    bootstrap over items pooled across those seeds (paired by (seed, item index))."""
+        "welch": acc["welch"],
+        "mann_whitney": acc["mann_whitney"],
+        "tost": acc.get("tost"),
+        "answer_nll": compare_values(nll_a, nll_b) if nll_a and nll_b else None,
+        "steps": compare_steps(steps_a, steps_b) if steps_a and steps_b else None,
+    bootstrap over items pooled across those seeds (paired by (seed, item index)); beside them, over
+    every seed of each: Welch and Mann–Whitney on accuracy, TOST within ±`margin`, the answer-NLL
+    tests and, for steps to the threshold, log-rank and Mann–Whitney."""
     seeds = sorted(set(runs) & set(base_runs))
     acc = [float(runs[s]["accuracy"]) for s in seeds]
     base = [float(base_runs[s]["accuracy"]) for s in seeds]
@@ -674,6 +728,10 @@ def compare(
     }
 
 
+    for name, per_seed in runs.items():  # the continuous metrics: answer NLL, steps to the threshold
+        for s, r in per_seed.items():
+            r["answer_nll"] = read_json(run_dir(cfg, name, s) / "eval" / "summary.json", {}).get("answer_nll")
+            r["steps"] = steps_to_threshold(r["metrics"], cfg.threshold, r["global_step"]) if cfg.threshold else None
 def summarize(cfg: AblationConfig) -> dict[str, Any]:
     """Read every finished run and compute the per-variant numbers and the comparisons."""
     runs = {
@@ -684,7 +742,7 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
     for v in cfg.variants:
         per_seed = runs[v.name]
         row: dict[str, Any] = {"label": v.label, "overrides": v.overrides, "seeds": sorted(per_seed)}
-        for key in ("accuracy", "cos_sim", "relation_kl", "perplexity", "ce", "kv_loss"):
+        for key in ("accuracy", "answer_nll", "cos_sim", "relation_kl", "perplexity", "ce", "kv_loss"):
             mean, std, n = mean_std([r[key] for r in per_seed.values()])
             row[key] = {"mean": mean, "std": std, "n": n}
         row["runs"] = {
@@ -697,10 +755,15 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
                     "n",
                     "perplexity",
                     "ce",
+                    "answer_nll",
+                    "steps",
                     "kv_loss",
                     "cos_sim",
                     "relation_kl",
                     "global_step",
+        steps = list(_values(per_seed, "steps").values())
+        row["steps_to_threshold"] = {"n": len(steps), "reached": sum(r for _, r in steps),
+                                     "median": median_steps([s for s, _ in steps], [r for _, r in steps])}
                 )
             }
             for s, r in sorted(per_seed.items())
@@ -708,23 +771,34 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
         row["reference"] = v.reference or cfg.baseline
         row["controls"] = v.controls
         row["comparisons"] = {
-            ref: compare(per_seed, runs[ref], cfg.n_resamples)
+            ref: compare(per_seed, runs[ref], cfg.n_resamples, cfg.margin)
             for ref in cfg.references(v) if per_seed and runs[ref]
         }
         if row["reference"] in row["comparisons"]:
             row["vs_baseline"] = row["comparisons"][row["reference"]]
         variants[v.name] = row
-    primary = None
-    if cfg.primary:
-        name, ref = cfg.primary
-        if runs[name] and runs[ref]:
-            primary = {"variant": name, "reference": ref, **compare(runs[name], runs[ref], cfg.n_resamples)}
+    primary, p = None, cfg.primary
+    if p and runs[p.a] and runs[p.b]:
+        key = "steps" if p.metric == "steps_to_threshold" else p.metric
+        result = run_test(p.metric, p.test, _values(runs[p.a], key), _values(runs[p.b], key), margin=p.margin,
+                          alpha=p.alpha, paired=p.paired)
+        primary = {"variant": p.a, "reference": p.b, **compare(runs[p.a], runs[p.b], cfg.n_resamples, cfg.margin),
+                   "spec": p.to_dict(), "result": result,
+                   "verdict": primary_verdict(p, result, {v.name: v.label for v in cfg.variants})}
+    record = preregistration(cfg)
+    saved = read_json(Path(cfg.output_dir) / "preregistration.json", {})
     # one entry per distinct software/hardware setup (the run dates differ, the setup rarely does)
     environments = {json.dumps({k: v for k, v in r["environment"].items() if k != "date"}, sort_keys=True)
                     for per_seed in runs.values() for r in per_seed.values() if r.get("environment")}
     return {
         "baseline": cfg.baseline,
         "seeds": cfg.seeds,
+        "hypothesis": cfg.hypothesis,
+        "threshold": cfg.threshold,
+        "margin": cfg.margin,
+        # the date it was registered, when the record on disk is this config's
+        "preregistration": {"config_hash": record["config_hash"], "registered": saved.get("registered")
+                            if saved.get("config_hash") == record["config_hash"] else None},
         "base_config": cfg.base_config,
         "common_overrides": cfg.overrides,
         "eval": cfg.eval,
@@ -746,10 +820,11 @@ def _pm(stat: Mapping[str, float], digits: int = 3) -> str:
 
 
 def _cmp_cells(cmp_: Mapping[str, Any]) -> list[str]:
-    """Δ, t-test p, permutation p, bootstrap CI of one comparison."""
+    """Δ, t-test p, Welch p, permutation p, bootstrap CI of one comparison."""
     b = cmp_["bootstrap"]
-    ci = "–" if math.isnan(b["ci_low"]) else f"[{b['ci_low']:+.3f}, {b['ci_high']:+.3f}]"
-    return [fmt_signed(cmp_["delta_accuracy"]), fmt_p(cmp_["ttest"]["p_value"]), fmt_p(cmp_["permutation_p"]), ci]
+    ci = "–" if b["ci_low"] is None or math.isnan(b["ci_low"]) else f"[{b['ci_low']:+.3f}, {b['ci_high']:+.3f}]"
+    return [fmt_signed(cmp_["delta_accuracy"]), fmt_p(cmp_["ttest"]["p_value"]),
+            fmt_p((cmp_.get("welch") or {}).get("p_value")), fmt_p(cmp_["permutation_p"]), ci]
 
 
 def _beats(cmp_: Mapping[str, Any] | None, alpha: float = 0.05) -> bool:
@@ -763,24 +838,25 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
     rows = report["variants"]
     label = {name: row["label"] for name, row in rows.items()}
     base_label = label[report["baseline"]]
-    lines = ["# Ablation", "", f"Base config `{report['base_config']}`; seeds {report['seeds']}; baseline "
+    lines = ["# Ablation", "", *render_lead(report),
+             f"Base config `{report['base_config']}`; seeds {report['seeds']}; baseline "
              f"**{base_label}**; {report.get('threads', 1)} torch thread(s) per run.", ""]
     prim = report.get("primary")
     if prim:
-        delta, tp, pp, ci = _cmp_cells(prim)
+        delta, tp, wp, pp, ci = _cmp_cells(prim)
         verdict = "**significant**" if _beats(prim) else "**not significant**"
         lines += ["## Primary comparison (named in the config before the run)", "",
                   f"{label[prim['variant']]} vs {label[prim['reference']]} over seeds {prim['seeds']}: Δ accuracy "
-                  f"{delta}, paired t-test p {tp}, permutation p {pp}, bootstrap 95 % CI {ci} — {verdict} at "
-                  "p < 0.05 on both tests.", ""]
+                  f"{delta}, paired t-test p {tp} (Welch p {wp}), permutation p {pp}, bootstrap 95 % CI {ci} — "
+                  f"{verdict} at p < 0.05 on both paired tests.", ""]
     lines += [
         "| variant | seeds | accuracy | cos-sim | relation KL | perplexity | reference | Δ acc | t-test p (seeds) "
-        "| permutation p (items) | bootstrap 95 % CI of Δ (items) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Welch p (seeds) | permutation p (items) | bootstrap 95 % CI of Δ (items) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows.values():
         cmp_ = row.get("vs_baseline")
-        cells = _cmp_cells(cmp_) if cmp_ else ["–"] * 4
+        cells = _cmp_cells(cmp_) if cmp_ else ["–"] * 5
         ref = label.get(row.get("reference"), "–") if cmp_ else "–"
         lines.append(
             f"| {row['label']} | {len(row['seeds'])} | {_pm(row['accuracy'])} | {_pm(row['cos_sim'])} "
@@ -791,17 +867,19 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         lines += ["", "## Against the controls", "",
                   "A KV signal counts as knowledge transfer only if it beats its reference **and** every "
                   "control (untrained teacher, shuffled teacher) at p < 0.05 on both paired tests.", "",
-                  "| variant | compared with | Δ acc | t-test p | permutation p | bootstrap 95 % CI | beats it |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| variant | compared with | Δ acc | t-test p | Welch p | permutation p | bootstrap 95 % CI "
+                  "| beats it |",
+                  "|---|---|---|---|---|---|---|---|"]
         for row in controlled.values():
             for ref in [row["reference"], *row["controls"]]:
                 cmp_ = row["comparisons"].get(ref)
                 if cmp_ is None:
-                    lines.append(f"| {row['label']} | {label.get(ref, ref)} | not run | | | | |")
+                    lines.append(f"| {row['label']} | {label.get(ref, ref)} | not run | | | | | |")
                     continue
                 lines.append(f"| {row['label']} | {label[ref]} | " + " | ".join(_cmp_cells(cmp_))
                              + f" | {'yes' if _beats(cmp_) else 'no'} |")
         lines.append("")
+    lines += render_continuous(report)
         for row in controlled.values():
             refs = [row["reference"], *row["controls"]]
             ok = all(_beats(row["comparisons"].get(r)) for r in refs)
@@ -810,7 +888,8 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
     lines += [
         "",
         "Accuracy and cos-sim are mean ± sample std over seeds (cos-sim: final value of the training "
-        "log; – for runs without a KV loss). The t-test pairs the per-seed accuracies by seed; the "
+        "log; – for runs without a KV loss). The t-test pairs the per-seed accuracies by seed; Welch's "
+        "does not pair them (the better test when paired seeds are not correlated); the "
         "permutation (sign-flip) test and the bootstrap pool per-item correctness over the common "
         f"seeds, paired by (seed, item), with {report['n_resamples']} resamples. The seed-level test "
         "carries the training variance; the item-level tests only the test-set variance, so with few "
@@ -828,15 +907,17 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         "",
         "## Runs",
         "",
-        "| variant | seed | accuracy | 95 % CI | n | cos-sim | relation KL | CE | perplexity | steps |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | seed | accuracy | 95 % CI | n | answer NLL | cos-sim | relation KL | CE | perplexity | steps "
+        "| threshold at |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["variants"].values():
         for seed, r in row["runs"].items():
             lines.append(
                 f"| {row['label']} | {seed} | {fmt_num(r['accuracy'])} | [{fmt_num(r['ci_low'])}, {fmt_num(r['ci_high'])}] "
-                f"| {r['n']} | {fmt_num(r['cos_sim'])} | {fmt_num(r.get('relation_kl'), 4)} | {fmt_num(r['ce'])} "
-                f"| {fmt_num(r['perplexity'], 2)} | {r['global_step'] if r['global_step'] is not None else '–'} |"
+                f"| {r['n']} | {fmt_num(r.get('answer_nll'))} | {fmt_num(r['cos_sim'])} "
+                f"| {fmt_num(r.get('relation_kl'), 4)} | {fmt_num(r['ce'])} | {fmt_num(r['perplexity'], 2)} "
+                f"| {r['global_step'] if r['global_step'] is not None else '–'} | {fmt_reached(r.get('steps'))} |"
             )
     lines += ["", "## Variants", ""]
     for name, row in report["variants"].items():

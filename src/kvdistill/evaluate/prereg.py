@@ -1,0 +1,177 @@
+"""Pre-registration of an ablation: the hypothesis and the primary test, fixed before the first run.
+
+An ablation YAML may name
+
+```yaml
+hypothesis: relation KV transfers what the teachers know beyond its shuffled control
+threshold: 0.5            # dev accuracy for steps-to-threshold
+primary: {comparison: [relation, relation_shuffled], metric: accuracy, test: welch, alpha: 0.05}
+```
+
+`kvdistill ablate` writes them, with a hash of everything that defines the runs and the analysis,
+to `<output_dir>/preregistration.json` before the first run starts, and refuses to go on in an
+output dir whose runs were made under another hypothesis, primary test or config. The report leads
+with the primary result in words (`primary_verdict`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kvdistill.config import ConfigError
+from kvdistill.io import read_json, write_json_atomic
+
+METRICS = ("accuracy", "answer_nll", "steps_to_threshold")
+TESTS = ("paired_t", "welch", "mann_whitney", "logrank", "tost")
+LOWER_IS_BETTER = {"accuracy": False, "answer_nll": True, "steps_to_threshold": True}
+# t-tests and TOST need a value per run; a censored step count has none, so its tests are rank/survival ones
+TESTS_FOR = {"accuracy": ("paired_t", "welch", "mann_whitney", "tost"),
+             "answer_nll": ("paired_t", "welch", "mann_whitney", "tost"),
+             "steps_to_threshold": ("logrank", "mann_whitney")}
+RECORD = "preregistration.json"
+
+
+@dataclass
+class Primary:
+    """The primary comparison: variant `a` against `b` on `metric` by `test` at `alpha`; `margin`
+    (TOST) in the metric's units; `paired` picks the paired TOST (default Welch)."""
+
+    a: str
+    b: str
+    metric: str = "accuracy"
+    test: str = "paired_t"
+    alpha: float = 0.05
+    margin: float | None = None
+    paired: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"comparison": [self.a, self.b], **{k: v for k, v in asdict(self).items() if k not in ("a", "b")}}
+
+
+def parse_primary(spec: Any, names: Sequence[str], threshold: float | None) -> Primary | None:
+    """The YAML `primary:`: `[a, b]` (accuracy, paired t) or `{comparison: [a, b], metric, test,
+    alpha, margin, paired}`. Raises `ConfigError` naming the fix."""
+    if spec is None:
+        return None
+    if isinstance(spec, list):
+        spec = {"comparison": spec}
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"primary must be [variant, reference] or a mapping with comparison:, got {spec!r}")
+    unknown = set(spec) - {"comparison", "metric", "test", "alpha", "margin", "paired"}
+    if unknown:
+        raise ConfigError(f"primary: unknown keys {sorted(unknown)} (use comparison, metric, test, alpha, margin, "
+                          "paired)")
+    pair = spec.get("comparison")
+    if not isinstance(pair, list) or len(pair) != 2 or not set(pair) <= set(names) or pair[0] == pair[1]:
+        raise ConfigError(f"primary comparison must name two of the variants {list(names)} as [variant, reference]")
+    p = Primary(str(pair[0]), str(pair[1]), **{k: spec[k] for k in ("metric", "test", "alpha", "margin", "paired")
+                                              if spec.get(k) is not None})
+    if p.metric not in METRICS:
+        raise ConfigError(f"primary metric {p.metric!r} is not one of {list(METRICS)}")
+    if p.test not in TESTS_FOR[p.metric]:
+        raise ConfigError(f"primary test {p.test!r} does not fit metric {p.metric}; use one of {list(TESTS_FOR[p.metric])}")
+    if not (isinstance(p.alpha, (int, float)) and 0 < p.alpha < 0.5):
+        raise ConfigError(f"primary alpha must be in (0, 0.5), got {p.alpha!r}")
+    if p.test == "tost" and not (isinstance(p.margin, (int, float)) and math.isfinite(p.margin) and p.margin > 0):
+        raise ConfigError(f"primary test tost needs margin: > 0 (the equivalence bound, in {p.metric} units), "
+                          f"got {p.margin!r}")
+    if p.metric == "steps_to_threshold" and threshold is None:
+        raise ConfigError("primary metric steps_to_threshold needs `threshold:` (the dev accuracy to reach)")
+    return p
+
+
+# ----------------------------------------------------------------------------- the record
+
+
+def config_hash(definition: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON of `definition` (sorted keys), 16 hex digits."""
+    text = json.dumps(definition, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def make_record(hypothesis: str | None, primary: Primary | None, definition: Mapping[str, Any]) -> dict[str, Any]:
+    """What `preregistration.json` holds: hypothesis, primary, config hash and what was hashed."""
+    return {"hypothesis": hypothesis, "primary": primary.to_dict() if primary else None,
+            "config_hash": config_hash(definition), "config": dict(definition)}
+
+
+def preregister(out_dir: str | Path, record: Mapping[str, Any], has_runs: bool,
+                log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Write `record` to `out_dir/preregistration.json` before any run, or refuse.
+
+    Refused (a `ConfigError`) when the dir already holds runs and a hypothesis is involved: runs
+    recorded under another hypothesis, primary or config hash, or runs made before any record (a
+    hypothesis named after the runs is not pre-registered). Ablations without a hypothesis are
+    recorded (for provenance) but never refused. Returns the record in force (its first date kept).
+    """
+    path = Path(out_dir) / RECORD
+    saved = read_json(path)
+    keys = ("hypothesis", "primary", "config_hash")
+    if saved is not None and all(saved.get(k) == record[k] for k in keys):
+        return saved
+    if has_runs and (record["hypothesis"] or (saved or {}).get("hypothesis")):
+        if saved is None:
+            raise ConfigError(f"{out_dir} holds runs made before any pre-registration; a hypothesis named now is "
+                              "not pre-registered: set another output_dir")
+        differ = [k.replace("_", " ") for k in keys if saved.get(k) != record[k]]
+        raise ConfigError(f"{out_dir} holds runs pre-registered under another {', '.join(differ)} ({path}); "
+                          "restore the ablation YAML or set another output_dir")
+    now = {**record, "registered": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    write_json_atomic(path, now, indent=2)
+    if record["hypothesis"]:
+        log(f"pre-registered in {path}: hypothesis, primary and config hash {record['config_hash']}")
+    return now
+
+
+# ----------------------------------------------------------------------------- the verdict
+
+
+def primary_verdict(p: Primary, result: Mapping[str, Any], labels: Mapping[str, str]) -> str:
+    """The primary result in words: "A beats B on M at alpha 0.05 (...)", "A and B are equivalent
+    within ±m on M ...", or "neither shown ...". `result` is the test's dict (`stats` results)."""
+    a, b, metric = labels.get(p.a, p.a), labels.get(p.b, p.b), p.metric.replace("_", " ")
+    pv = result.get("p_value", math.nan) if result else math.nan
+    if pv is None or math.isnan(pv):
+        return f"not testable: {a} vs {b} on {metric} has too few runs for {p.test}"
+    if p.test == "tost":
+        ci = f"{result['confidence']:.0%} CI of Δ [{result['ci_low']:+.4g}, {result['ci_high']:+.4g}]"
+        if result["equivalent"]:
+            return f"{a} and {b} are equivalent within ±{p.margin:g} on {metric} at alpha {p.alpha:g} (TOST p {pv:.4g}, {ci})"
+        return (f"{a} and {b} are not shown equivalent within ±{p.margin:g} on {metric} at alpha {p.alpha:g} "
+                f"(TOST p {pv:.4g}, {ci})")
+    detail = f"{p.test.replace('_', ' ')} p {pv:.4g}"
+    if pv >= p.alpha:
+        return f"neither shown: {a} vs {b} on {metric}, {detail} ≥ alpha {p.alpha:g}"
+    if p.test == "logrank":
+        a_higher = result["statistic"] < 0  # > 0: a reaches the threshold sooner (fewer steps)
+    elif p.test == "mann_whitney":
+        a_higher = result["prob_a_greater"] > 0.5
+    else:
+        a_higher = result["mean_diff"] > 0
+    a_wins = a_higher != LOWER_IS_BETTER[p.metric]
+    win, lose = (a, b) if a_wins else (b, a)
+    return f"{win} beats {lose} on {metric} at alpha {p.alpha:g} ({detail})"
+
+
+def render_lead(report: Mapping[str, Any]) -> list[str]:
+    """The lines an ablation report opens with: the hypothesis (with its registration) and the primary
+    result in words."""
+    lines: list[str] = []
+    reg = report.get("preregistration") or {}
+    if report.get("hypothesis"):
+        when = (f"pre-registered {reg['registered']}" if reg.get("registered")
+                else f"no {RECORD} of this config was found")
+        lines += [f"**Hypothesis** ({when}; config hash `{reg.get('config_hash')}`): {report['hypothesis']}", ""]
+    prim = report.get("primary")
+    if prim and prim.get("verdict"):
+        spec = prim["spec"]
+        how = f"{spec['metric'].replace('_', ' ')}, {spec['test'].replace('_', ' ')}, alpha {spec['alpha']:g}"
+        lines += [f"**Primary result** ({how}): {prim['verdict']}.", ""]
+    return lines
