@@ -644,6 +644,30 @@ def read_run(rdir: Path) -> dict[str, Any] | None:
     """One finished run: eval summary, per-item correctness by index, train summary, curves."""
     summary = read_json(rdir / "eval" / "summary.json")
     if summary is None:
+        return None
+    items = {int(row["index"]): bool(row["correct"]) for row in read_jsonl(rdir / "eval" / "items.jsonl")}
+    train = read_json(rdir / "train_summary.json", {})
+    final = train.get("final") or {}
+    return {
+        "accuracy": summary.get("accuracy"),
+        "ci_low": summary.get("ci_low"),
+        "ci_high": summary.get("ci_high"),
+        "n": summary.get("n"),
+        "perplexity": summary.get("perplexity"),
+        "ce": final.get("ce"),
+        "kv_loss": final.get("kv_loss"),
+        "cos_sim": final.get("cos_sim"),
+        "relation_kl": final.get("relation_kl"),
+        "global_step": train.get("global_step"),
+        "environment": train.get("environment"),
+        "items": items,
+        "metrics": read_jsonl(rdir / "metrics.jsonl"),
+    }
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
 def preregistration(cfg: AblationConfig) -> dict[str, Any]:
     """The pre-registration record of `cfg`: hypothesis, primary and the hash of what defines the runs and
     the analysis (the base config's content, every variant's settings, seeds, eval, threshold, margin)."""
@@ -663,45 +687,13 @@ def _values(runs: Mapping[int, Mapping[str, Any]], key: str) -> dict[int, Any]:
     return {s: r[key] for s, r in runs.items() if r.get(key) is not None}
 
 
-        return None
-    items = {int(row["index"]): bool(row["correct"]) for row in read_jsonl(rdir / "eval" / "items.jsonl")}
-    train = read_json(rdir / "train_summary.json", {})
-    final = train.get("final") or {}
-    return {
-    margin: float | None = None,
-        "accuracy": summary.get("accuracy"),
-        "ci_low": summary.get("ci_low"),
-        "ci_high": summary.get("ci_high"),
-        "n": summary.get("n"),
-        "perplexity": summary.get("perplexity"),
-        "ce": final.get("ce"),
-        "kv_loss": final.get("kv_loss"),
-        "cos_sim": final.get("cos_sim"),
-        "relation_kl": final.get("relation_kl"),
-        "global_step": train.get("global_step"),
-        "environment": train.get("environment"),
-        "items": items,
-        "metrics": read_jsonl(rdir / "metrics.jsonl"),
-    }
-
-
-# ----------------------------------------------------------------------------- statistics
-    acc = compare_values(_values(runs, "accuracy"), _values(base_runs, "accuracy"), margin=margin)
-    nll_a, nll_b = _values(runs, "answer_nll"), _values(base_runs, "answer_nll")
-    steps_a, steps_b = _values(runs, "steps"), _values(base_runs, "steps")
-
-
 def compare(
     runs: Mapping[int, Mapping[str, Any]],
     base_runs: Mapping[int, Mapping[str, Any]],
     n_resamples: int = 10_000,
+    margin: float | None = None,
 ) -> dict[str, Any]:
     """Variant vs baseline on the seeds both have: paired t-test over seeds, permutation and
-        "welch": acc["welch"],
-        "mann_whitney": acc["mann_whitney"],
-        "tost": acc.get("tost"),
-        "answer_nll": compare_values(nll_a, nll_b) if nll_a and nll_b else None,
-        "steps": compare_steps(steps_a, steps_b) if steps_a and steps_b else None,
     bootstrap over items pooled across those seeds (paired by (seed, item index)); beside them, over
     every seed of each: Welch and Mann–Whitney on accuracy, TOST within ±`margin`, the answer-NLL
     tests and, for steps to the threshold, log-rank and Mann–Whitney."""
@@ -717,6 +709,9 @@ def compare(
         b_items += [float(base_runs[s]["items"][i]) for i in common]
     boot = paired_bootstrap(a_items, b_items, n_resamples=n_resamples, seed=0)
     perm = paired_permutation_test(a_items, b_items, n_resamples=n_resamples, seed=0) if a_items else math.nan
+    acc = compare_values(_values(runs, "accuracy"), _values(base_runs, "accuracy"), margin=margin)
+    nll_a, nll_b = _values(runs, "answer_nll"), _values(base_runs, "answer_nll")
+    steps_a, steps_b = _values(runs, "steps"), _values(base_runs, "steps")
     return {
         "seeds": seeds,
         "delta_accuracy": ttest.mean_diff,
@@ -725,19 +720,24 @@ def compare(
         "item_delta": boot.mean_diff,
         "permutation_p": perm,
         "bootstrap": boot.to_dict(),
+        "welch": acc["welch"],
+        "mann_whitney": acc["mann_whitney"],
+        "tost": acc.get("tost"),
+        "answer_nll": compare_values(nll_a, nll_b) if nll_a and nll_b else None,
+        "steps": compare_steps(steps_a, steps_b) if steps_a and steps_b else None,
     }
 
 
-    for name, per_seed in runs.items():  # the continuous metrics: answer NLL, steps to the threshold
-        for s, r in per_seed.items():
-            r["answer_nll"] = read_json(run_dir(cfg, name, s) / "eval" / "summary.json", {}).get("answer_nll")
-            r["steps"] = steps_to_threshold(r["metrics"], cfg.threshold, r["global_step"]) if cfg.threshold else None
 def summarize(cfg: AblationConfig) -> dict[str, Any]:
     """Read every finished run and compute the per-variant numbers and the comparisons."""
     runs = {
         v.name: {s: r for s in cfg.seeds if (r := read_run(run_dir(cfg, v.name, s))) is not None}
         for v in cfg.variants
     }
+    for name, per_seed in runs.items():  # the continuous metrics: answer NLL, steps to the threshold
+        for s, r in per_seed.items():
+            r["answer_nll"] = read_json(run_dir(cfg, name, s) / "eval" / "summary.json", {}).get("answer_nll")
+            r["steps"] = steps_to_threshold(r["metrics"], cfg.threshold, r["global_step"]) if cfg.threshold else None
     variants: dict[str, Any] = {}
     for v in cfg.variants:
         per_seed = runs[v.name]
@@ -755,19 +755,19 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
                     "n",
                     "perplexity",
                     "ce",
-                    "answer_nll",
-                    "steps",
                     "kv_loss",
                     "cos_sim",
                     "relation_kl",
                     "global_step",
-        steps = list(_values(per_seed, "steps").values())
-        row["steps_to_threshold"] = {"n": len(steps), "reached": sum(r for _, r in steps),
-                                     "median": median_steps([s for s, _ in steps], [r for _, r in steps])}
+                    "answer_nll",
+                    "steps",
                 )
             }
             for s, r in sorted(per_seed.items())
         }
+        steps = list(_values(per_seed, "steps").values())
+        row["steps_to_threshold"] = {"n": len(steps), "reached": sum(r for _, r in steps),
+                                     "median": median_steps([s for s, _ in steps], [r for _, r in steps])}
         row["reference"] = v.reference or cfg.baseline
         row["controls"] = v.controls
         row["comparisons"] = {
@@ -793,16 +793,16 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
     return {
         "baseline": cfg.baseline,
         "seeds": cfg.seeds,
+        "base_config": cfg.base_config,
+        "common_overrides": cfg.overrides,
+        "eval": cfg.eval,
+        "n_resamples": cfg.n_resamples,
         "hypothesis": cfg.hypothesis,
         "threshold": cfg.threshold,
         "margin": cfg.margin,
         # the date it was registered, when the record on disk is this config's
         "preregistration": {"config_hash": record["config_hash"], "registered": saved.get("registered")
                             if saved.get("config_hash") == record["config_hash"] else None},
-        "base_config": cfg.base_config,
-        "common_overrides": cfg.overrides,
-        "eval": cfg.eval,
-        "n_resamples": cfg.n_resamples,
         "primary": primary,
         "threads": cfg.threads,
         "environments": [json.loads(e) for e in sorted(environments)],
@@ -879,11 +879,11 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
                 lines.append(f"| {row['label']} | {label[ref]} | " + " | ".join(_cmp_cells(cmp_))
                              + f" | {'yes' if _beats(cmp_) else 'no'} |")
         lines.append("")
-    lines += render_continuous(report)
         for row in controlled.values():
             refs = [row["reference"], *row["controls"]]
             ok = all(_beats(row["comparisons"].get(r)) for r in refs)
             lines.append(f"- {row['label']}: {'**beats its reference and all controls**' if ok else 'does not beat its reference and all controls'}.")
+    lines += render_continuous(report)
     n_seeds = min((len(r["seeds"]) for r in report["variants"].values()), default=0)
     lines += [
         "",
