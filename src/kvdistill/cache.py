@@ -7,6 +7,7 @@ module sees only the `KVCache` value below, so those differences stop here.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -31,6 +32,7 @@ class KVCache:
         attention_mask: `[B, T]` 1 for real tokens, 0 for padding.
         segment_ids: `[B, T]` 0 prompt, 1 reasoning, 2 answer, -1 padding (optional).
         hidden_states: `[L+1, B, T, d_model]` embeddings + every layer's output (optional).
+        queries: `[L, B, H_q, T, D]` post-RoPE queries (optional; `forward_with_kv(queries=True)`).
     """
 
     keys: Tensor
@@ -38,6 +40,7 @@ class KVCache:
     attention_mask: Tensor
     segment_ids: Tensor | None = None
     hidden_states: Tensor | None = None
+    queries: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 5 or self.values.dim() != 5:
@@ -56,6 +59,10 @@ class KVCache:
             )
         if self.segment_ids is not None and tuple(self.segment_ids.shape) != (B, T):
             raise ValueError(f"segment_ids must be [B, T] = [{B}, {T}]; got {tuple(self.segment_ids.shape)}")
+        q = self.queries
+        if q is not None and (q.dim() != 5 or q.shape[:2] != self.keys.shape[:2] or q.shape[3] != T):
+            raise ValueError(f"queries must be [L, B, H_q, T, D] beside keys {tuple(self.keys.shape)}; got "
+                             f"{tuple(q.shape)}")
 
     @property
     def num_layers(self) -> int:
@@ -83,6 +90,7 @@ class KVCache:
             keys=self.keys.detach(),
             values=self.values.detach(),
             hidden_states=None if self.hidden_states is None else self.hidden_states.detach(),
+            queries=None if self.queries is None else self.queries.detach(),
         )
 
 
@@ -148,6 +156,62 @@ def capture_pre_rope_keys(model: nn.Module, num_kv_heads: int | None = None, hea
             h.remove()
 
 
+def query_modules(model: nn.Module) -> tuple[list[nn.Module], Any]:
+    """The per-layer attention modules with a query projection (Llama/Qwen2-style `self_attn.q_proj`)
+    and their modeling module's `apply_rotary_pos_emb`. A model without them (GPT-2), or whose
+    attention is not `softmax(q kᵀ / sqrt(D))` over all earlier tokens, raises ValueError naming what
+    is missing."""
+    attns = [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "q_proj")]
+    name = type(model).__name__
+    rotate = getattr(sys.modules[type(attns[0]).__module__], "apply_rotary_pos_emb", None) if attns else None
+    if not attns or rotate is None:
+        raise ValueError(f"{name} has no Llama/Qwen2-style attention (self_attn.q_proj and apply_rotary_pos_emb): "
+                         "kv_loss attention needs its post-RoPE queries; use kv_loss relation for this model")
+    for m in attns:
+        d = m.head_dim
+        if abs(getattr(m, "scaling", d**-0.5) - d**-0.5) > 1e-9 or getattr(m, "sliding_window", None):
+            raise ValueError(f"{name}: its attention is not softmax(q kᵀ / sqrt(head_dim)) over all earlier tokens "
+                             "(another scaling or a sliding window); kv_loss attention cannot reproduce its maps")
+    return attns, rotate
+
+
+@contextmanager
+def capture_queries(model: nn.Module):
+    """Record each layer's post-RoPE queries via forward hooks, as its attention computes them.
+
+    Yields a list that fills with `[B, H_q, T, D]` tensors, one per layer, in layer order: the query
+    projection's output (`q_norm`'s where the model has one) rotated by the `position_embeddings`
+    (cos, sin) the attention module receives, with its modeling module's own `apply_rotary_pos_emb`
+    (`query_modules`; ValueError for a model without them).
+    """
+    attns, rotate = query_modules(model)
+    captured: list[Tensor] = []
+    pending: dict[int, Tensor] = {}
+
+    def project_hook(attn: nn.Module):
+        def hook(_module: nn.Module, _inputs: Any, output: Tensor) -> None:
+            pending[id(attn)] = output
+        return hook
+
+    def attn_hook(module: nn.Module, args: tuple, kwargs: dict, _output: Any) -> None:
+        q = pending.pop(id(module))
+        B, T = q.shape[0], q.shape[1]
+        q = q.reshape(B, T, -1, module.head_dim).transpose(1, 2)  # [B, H_q, T, D]
+        cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+        captured.append(rotate(q, q, cos, sin)[0])
+
+    handles = []
+    for m in attns:
+        proj = m.q_norm if hasattr(m, "q_norm") else m.q_proj  # the query as it enters the rotary embedding
+        handles.append(proj.register_forward_hook(project_hook(m)))
+        handles.append(m.register_forward_hook(attn_hook, with_kwargs=True))
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _kv_geometry(model: nn.Module) -> tuple[int, int]:
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -167,6 +231,7 @@ def forward_with_kv(
     labels: Tensor | None = None,
     key_space: KeySpace = "post_rope",
     output_hidden_states: bool = False,
+    queries: bool = False,
     **model_kwargs: Any,
 ) -> tuple[Any, KVCache]:
     """One forward pass returning the model output *and* its stacked cache.
@@ -183,6 +248,7 @@ def forward_with_kv(
         labels: `[B, T]` optional LM labels (-100 ignored), passed to the model.
         key_space: "post_rope" (as cached) or "pre_rope" (key projection output).
         output_hidden_states: also return hidden states `[L+1, B, T, d_model]`.
+        queries: also return post-RoPE queries `[L, B, H_q, T, D]` (`capture_queries`; kv_loss attention).
 
     Returns:
         (model output, KVCache)
@@ -191,7 +257,7 @@ def forward_with_kv(
         raise ValueError(f"key_space must be 'post_rope' or 'pre_rope', got {key_space!r}")
     inner = getattr(model, "module", model)  # DDP/FSDP wrapper -> the HF model, for hooks/config
     ctx = capture_pre_rope_keys(inner, *_kv_geometry(inner)) if key_space == "pre_rope" else nullcontext([])
-    with ctx as pre_keys:
+    with ctx as pre_keys, (capture_queries(inner) if queries else nullcontext([])) as qs:
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -206,7 +272,7 @@ def forward_with_kv(
             raise RuntimeError(f"captured {len(pre_keys)} pre-RoPE keys for {keys.shape[0]} layers")
         keys = torch.stack(pre_keys)  # [L, B, H, T, D]
     hidden = torch.stack(out.hidden_states) if output_hidden_states else None  # [L+1, B, T, d]
-    kv = KVCache(keys, values, attention_mask, segment_ids, hidden)
+    kv = KVCache(keys, values, attention_mask, segment_ids, hidden, torch.stack(qs) if queries else None)
     return out, kv
 
 
@@ -219,6 +285,7 @@ def extract_kv(
     grad: bool = False,
     key_space: KeySpace = "post_rope",
     output_hidden_states: bool = False,
+    queries: bool = False,
 ) -> KVCache:
     """The stacked KV cache of `model` on a batch; teacher use by default (`grad=False`).
 
@@ -234,5 +301,6 @@ def extract_kv(
             segment_ids,
             key_space=key_space,
             output_hidden_states=output_hidden_states,
+            queries=queries,
         )
     return kv if grad else kv.detach()

@@ -7,7 +7,8 @@ Layout of a capture directory (one per run config, `teacher_capture: DIR`)::
 
 A shard holds the records of consecutive batches, time-major and unpadded, concatenated over
 records: `keys`, `values` `[sum T_i, L, H, D]`, `segment_ids` `[sum T_i]`, optional `hidden_states`
-`[sum T_i, L+1, d]` and `logits` `[sum T_i, V]`, with `index` `[n]` (record ids) and `offsets`
+`[sum T_i, L+1, d]`, `logits` `[sum T_i, V]` and post-RoPE `queries` `[sum T_i, L, H_q, D]` (stored
+when the run's kv_loss is attention; the settings then say `queries: true`), with `index` `[n]` (record ids) and `offsets`
 `[n + 1]` (where each record starts). These are exactly the `TeacherCache` entries of a live run,
 so a run that reads a capture sees the same tensors as one that ran the teacher (in the stored
 dtype). With `capture_layers: mapped` keys and values hold only the `L_kept` teacher layers the
@@ -51,8 +52,8 @@ from kvdistill.teachers import TeacherCache
 
 MANIFEST = "manifest.json"
 CAPTURE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_FLOAT_FIELDS = ("keys", "values", "hidden_states", "logits")
-_KV_FIELDS = ("keys", "values")  # `[T, L, H, D]`: `capture_layers: mapped` keeps some of their layers
+_FLOAT_FIELDS = ("keys", "values", "hidden_states", "logits", "queries")
+_KV_FIELDS = ("keys", "values", "queries")  # `[T, L, H, D]`: `capture_layers: mapped` keeps some of their layers
 _FINGERPRINT_BYTES = 16 << 20  # head and tail of each weight file
 
 
@@ -207,6 +208,9 @@ def read_manifest(root: Path, settings: Mapping[str, Any]) -> dict:
     if not manifest.get("complete"):
         raise CaptureError(f"capture {root} is incomplete ({len(manifest['shards'])} shards written); rerun "
                            "`kvdistill capture` with the same config to finish it")
+    if settings.get("queries") and not manifest["settings"].get("queries"):
+        raise CaptureError(f"capture {root} holds no queries (made for another kv_loss), and kv_loss attention "
+                           "reads them; capture again with this run's config")
     if manifest["settings"] != dict(settings):
         raise CaptureError(f"capture {root} does not match this run: {_diff(manifest['settings'], settings)} "
                            "differ; capture again for this run (or fix the run's config)")
@@ -232,7 +236,8 @@ def load_capture(root: Path, settings: Mapping[str, Any], cache: TeacherCache, k
             raise CaptureError(f"capture shard {root / name} cannot be read ({type(err).__name__}: {err}); capture "
                                "again into an empty teacher_capture directory") from None
         for f in _KV_FIELDS if layers is not None else ():
-            t[f] = unmap_layers(t[f], layers)  # [sum T, L, H, D]
+            if f in t:  # queries only in a kv_loss attention capture
+                t[f] = unmap_layers(t[f], layers)  # [sum T, L, H, D]
         starts = t["offsets"].tolist()
         for j, i in enumerate(t["index"].tolist()):
             a, b = starts[j], starts[j + 1]

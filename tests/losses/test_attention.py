@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -33,14 +34,13 @@ def _maps(q, k):
     k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     T = q.shape[3]
     future = torch.ones(T, T, dtype=torch.bool).triu(1)
-    return (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(future, -math.inf), future
+    return (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(future, -math.inf)
 
 
 def _reference(sq, sk, tq, tk, mix, mask, seg, seg_w=None, rows=None, reduction="mean"):
     """The definition with full `[L, B, H, T, T]` maps (float64 autograd): mixed teacher maps, KL per row."""
     keys = ((mask > 0) & (seg != PAD))[None, :, None, None, :]  # [1, B, 1, 1, T]
-    z_s, _ = _maps(sq, sk)
-    z_t, _ = _maps(tq, tk)
+    z_s, z_t = _maps(sq, sk), _maps(tq, tk)
     log_q = z_s.masked_fill(~keys, -math.inf).log_softmax(-1)
     p_t = z_t.masked_fill(~keys, -math.inf).softmax(-1).nan_to_num(0.0)  # [L_t, B, H_t, T, T]
     W = head_groups(sq.shape[3], tq.shape[3]).double()
@@ -57,7 +57,7 @@ def _reference(sq, sk, tq, tk, mix, mask, seg, seg_w=None, rows=None, reduction=
 def test_identical_is_zero_with_padding():
     sq, sk, _, _, _, mask, seg = _batch()
     sq[:, 1, -2:] = 1e3  # garbage on padding
-    loss, m = AttentionMapLoss(chunk_size=3)(sq, sk, sq.clone(), sk.clone(), mask, seg)
+    loss, m = AttentionMapLoss(chunk_size=3, compile=False)(sq, sk, sq.clone(), sk.clone(), mask, seg)
     assert abs(loss.item()) < 1e-6 and m["attention_kl"].abs() < 1e-6
 
 
@@ -137,3 +137,133 @@ def test_bad_shapes_name_the_problem():
         AttentionMapLoss()(sq, sk, tq, tk, mask, seg)  # 3 teacher layers, no mix
     with pytest.raises(ValueError, match="not a multiple of its 3 KV heads"):
         AttentionMapLoss()(sq, sk, tq[..., :4, :], tk, mask, seg, layer_mix=mix)
+
+
+@pytest.mark.parametrize("name", ["student", "llama_teacher"])  # a tiny Qwen2 (GQA 4:1) and a tiny Llama
+def test_hooked_queries_give_the_models_own_attention(tiny_world, name):
+    """softmax(q kᵀ / sqrt(D)) from the hooked post-RoPE queries and the cached keys equals the eager
+    attention's `output_attentions` on every real row and column (right padding included)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvdistill.cache import forward_with_kv
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_world.models[name], attn_implementation="eager").eval()
+    ids = torch.randint(3, 300, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, -3:] = 0
+    with torch.no_grad():
+        out, kv = forward_with_kv(model, ids, mask, queries=True, output_attentions=True)
+    assert kv.queries.shape[:4] == (kv.num_layers, 2, model.config.num_attention_heads, 9)
+    z = _maps(kv.queries.transpose(2, 3), kv.keys.transpose(2, 3))  # [L, B, H, T, T]
+    probs = z.masked_fill(~mask.bool()[None, :, None, None, :], -math.inf).softmax(-1)
+    real = mask.bool()[:, None, :, None] & mask.bool()[:, None, None, :]  # [B, 1, T, T]
+    for layer, att in enumerate(out.attentions):  # [B, H, T, T]
+        torch.testing.assert_close(probs[layer].float().masked_fill(~real, 0), att.masked_fill(~real, 0),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_model_without_queries_is_refused_in_one_line(tiny_world):
+    from transformers import AutoModelForCausalLM
+
+    from kvdistill.cache import forward_with_kv
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_world.models["gpt2"])
+    with pytest.raises(ValueError, match=r"^GPT2LMHeadModel has no Llama/Qwen2-style attention \(self_attn.q_proj"):
+        forward_with_kv(model, torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4), queries=True)
+
+
+# ------------------------------------------------------------------ end to end: kvdistill train / capture
+def _train_argv(tiny_world, out, **kw):
+    m = tiny_world.models
+    args = {"student": m["student"], "data": tiny_world.data_dir, "output_dir": out, "max_length": 160,
+            "max_steps": 2, "max_samples": 8, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
+            "learning_rate": 1e-3, "kv_weight": 1, "kv_warmup_steps": 0, "logging_steps": 1, "save_steps": 1000,
+            "use_cpu": True, "seed": 0, "dataloader_num_workers": 0, "disable_tqdm": True, "kv_loss": "attention",
+            "relation_chunk_size": 16, "relation_compile": False,
+            "teachers": f"[{{path: {m['qwen2_teacher']}}}, {{path: {m['llama_teacher_alt_tok']}}}]"}
+    args.update(kw)
+    return [x for k, v in args.items() for x in (f"--{k}", str(v))]
+
+
+def _logged(trainer) -> list[dict]:
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def test_attention_loss_trains_with_two_tokenizers_and_answer_rows(tiny_world, tmp_path):
+    from kvdistill.train.build import build_trainer
+    from kvdistill.train.config import parse_config
+
+    trainer = build_trainer(parse_config(_train_argv(tiny_world, tmp_path / "run", relation_rows="answer")))
+    assert trainer.args.key_space == "post_rope"
+    assert all(sum(p.numel() for p in a.parameters()) == 0 for a in trainer.distill_model.aligners.values())
+    before = {n: p.detach().clone() for n, p in trainer.distill_model.student.named_parameters()}
+    trainer.train()
+    rows = _logged(trainer)
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["kv_loss"] > 0 for r in rows)
+    for name in ("qwen2_teacher", "llama_teacher_alt_tok"):
+        for key in ("attention_kl", "attention_kl_selected", "attention_kl_other"):
+            assert all(r[f"{key}/{name}"] > 0 for r in rows), (key, name)
+        assert f"attention_layer/{name}/1" in rows[0]
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.distill_model.student.named_parameters())
+
+
+def test_attention_from_a_capture_equals_the_live_teachers(tiny_world, tmp_path):
+    from kvdistill.capture import MANIFEST, CaptureError
+    from kvdistill.commands import capture as capture_cmd
+    from kvdistill.train.build import build_trainer
+    from kvdistill.train.config import parse_config
+
+    argv = _train_argv(tiny_world, tmp_path / "run", teacher_capture=tmp_path / "capture")
+    root = capture_cmd.run_capture(parse_config(argv), log=lambda _: None)
+    assert json.loads((root / "qwen2_teacher" / MANIFEST).read_text())["settings"]["queries"] is True
+    live = build_trainer(parse_config([*argv, "--teacher_capture", "", "--output_dir", str(tmp_path / "live")]))
+    captured = build_trainer(parse_config(argv))
+    losses = [[(r["loss"], r["kv_loss"]) for r in _logged(t)] for t in (captured, live) if t.train()]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+
+    relation = _train_argv(tiny_world, tmp_path / "rel", kv_loss="relation", relation_heads=4, key_space="post_rope",
+                           teacher_capture=tmp_path / "capture_relation")
+    capture_cmd.run_capture(parse_config(relation), log=lambda _: None)
+    with pytest.raises(CaptureError, match=r"holds no queries .* kv_loss attention reads them"):
+        build_trainer(parse_config(_train_argv(tiny_world, tmp_path / "run2",
+                                               teacher_capture=tmp_path / "capture_relation")))
+
+
+def test_attention_config_refusals(tiny_world, tmp_path):
+    from kvdistill.config import ConfigError
+    from kvdistill.train.build import build_trainer
+    from kvdistill.train.config import parse_config
+
+    for change, named in (({"key_space": "pre_rope"}, "set key_space: post_rope"),
+                          ({"fusion": "kv_mean"}, "kv_mean"),
+                          ({"kv_loss": "mercator", "relation_rows": "answer"}, "relation_rows selects"),
+                          ({"relation_rows": "answers"}, "relation_rows 'answers'")):
+        with pytest.raises(ConfigError, match=named):
+            parse_config(_train_argv(tiny_world, tmp_path / "x", **change))
+    with pytest.raises(ConfigError, match="relation_rows field:nope: 8 of 8 records have no token field 'nope'"):
+        build_trainer(parse_config(_train_argv(tiny_world, tmp_path / "z", relation_rows="field:nope")))
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel has no Llama/Qwen2-style attention"):
+        build_trainer(parse_config(_train_argv(tiny_world, tmp_path / "y", teachers=f"[{{path: {tiny_world.models['gpt2']}}}]")))
+
+
+def test_relation_rows_from_a_token_field_end_to_end(tiny_world, tmp_path):
+    """relation_rows field:<name> reads the rows a task marks in token_fields; both KL splits are logged."""
+    import re
+
+    from kvdistill.train.build import build_trainer
+    from kvdistill.train.config import parse_config
+
+    data = tmp_path / "data"
+    data.mkdir()
+    records = [json.loads(x) for x in (tiny_world.data_dir / "train.jsonl").read_text().splitlines()[:8]]
+    for r in records:  # mark the numbers of each question
+        r["token_fields"] = {"number": [[m.start(), m.end(), 1] for m in re.finditer(r"\d+", r["question"])]}
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = _train_argv(tiny_world, tmp_path / "run", data=data, kv_loss="relation", relation_heads=4,
+                       relation_rows="field:number", teachers=f"[{{path: {tiny_world.models['qwen2_teacher']}}}]")
+    trainer = build_trainer(parse_config(argv))
+    trainer.train()
+    rows = _logged(trainer)
+    assert all(math.isfinite(r["loss"]) and r["relation_kl_selected/qwen2_teacher"] > 0
+               and r["relation_kl_other/qwen2_teacher"] > 0 for r in rows)
+    assert all(r["relation_kl/qwen2_teacher"] == pytest.approx(r["relation_kl_selected/qwen2_teacher"]) for r in rows)

@@ -72,6 +72,28 @@ class AlignedKV:
     student_layers: Tensor
 
 
+@dataclass
+class AlignedQK:
+    """Queries and keys of both sides at the student's positions, for the attention-map loss.
+
+    Attributes:
+        student_queries, student_keys: `[L_m, B, T_s, H_q, D_s]`, `[L_m, B, T_s, H_kv, D_s]` (with graph).
+        teacher_queries, teacher_keys: `[L_u, B, T_s, H_qt, D_t]`, `[L_u, B, T_s, H_kvt, D_t]` time-aligned
+            (detached), for the `L_u` teacher layers the layer map reads, not mixed: the loss mixes maps.
+        layer_mix: `[L_m, L_u]` the layer map's rows over those layers.
+        mask, segment_ids, student_layers: as in `AlignedKV`.
+    """
+
+    student_queries: Tensor
+    student_keys: Tensor
+    teacher_queries: Tensor
+    teacher_keys: Tensor
+    layer_mix: Tensor
+    mask: Tensor
+    segment_ids: Tensor | None
+    student_layers: Tensor
+
+
 def cache_dims(teacher: KVCache, student: KVCache) -> dict[str, int]:
     """The shape facts an aligner is built from."""
     return {
@@ -289,6 +311,29 @@ class KVAligner(nn.Module):
             t_v = self._layout(self.teacher_time_layer(teacher.values, idx))
         mask = student.attention_mask.bool() & idx.valid  # [B, T_s]
         return AlignedKV(s_k, s_v, t_k, t_v, mask, student.segment_ids, self.layer_index)
+
+    def attention_inputs(self, teacher: KVCache, student: KVCache) -> AlignedQK:
+        """kv_loss attention: both sides' post-RoPE queries and keys at the student's positions
+        (`AlignedQK`). The teacher's are time-aligned per layer, each layer the map reads kept apart:
+        the attention of mixed queries and keys is not the mix of the attentions."""
+        for side, kv in (("teacher", teacher), ("student", student)):
+            if kv.queries is None:
+                raise ValueError(f"kv_loss attention: the {side} cache holds no queries (forward_with_kv(queries=True), "
+                                 "or a capture made with kv_loss attention)")
+        self.setup(teacher, student)
+        idx = self.time_index(teacher, student)
+        rows = self.layer_map.index_select(0, self.layer_index)  # [L_m, L_t]
+        used = (rows != 0).any(0).nonzero().flatten()  # [L_u] teacher layers the map reads
+        ones = torch.ones(len(used), 1, device=used.device)
+
+        def teacher_time(x: Tensor) -> Tensor:  # [L_t, B, H, T_t, D] -> [L_u, B, T_s, H, D]
+            return resample_kv(x.detach().to(used.device), idx, used[:, None], ones)
+
+        return AlignedQK(
+            self.student_layers(student.queries), self.student_layers(student.keys),
+            teacher_time(teacher.queries), teacher_time(teacher.keys), rows[:, used],
+            student.attention_mask.bool() & idx.valid, student.segment_ids, self.layer_index,
+        )
 
     # the stages, also called one by one by `kvdistill profile`
     def time_index(self, teacher: KVCache, student: KVCache) -> TimeIndex:
