@@ -87,6 +87,27 @@ def test_chunked_equals_unchunked_and_gradient_matches_the_reference(chunk_size)
         torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_chunked_keeps_no_full_map_for_the_backward():
+    """What the graph keeps for the backward, chunked: no `[L, B, H, T, T]` map, only inputs and row results."""
+    sq, sk, tq, tk, mix, mask, _ = _batch(T=24)
+    s = [x.clone().requires_grad_(True) for x in (sq, sk)]
+    kept = []
+
+    def pack(x):
+        kept.append(x.numel())
+        return x
+
+    for chunk, limit in ((4, 2 * 2 * 4 * 24 * 24), (None, None)):
+        kept.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            loss, _ = AttentionMapLoss(chunk_size=chunk, compile=False)(*s, tq, tk, mask, layer_mix=mix)
+        if limit is not None:
+            assert max(kept) < limit / 4  # [L, B, H, T, T] is 4608 floats; the inputs are 768
+        else:
+            assert max(kept) >= 2 * 2 * 4 * 24 * 24  # unchunked: Q - P of every row, the check can fail
+        loss.backward()
+
+
 def test_gradient_reaches_student_only():
     sq, sk, tq, tk, mix, mask, seg = _batch()
     sq.requires_grad_(True), sk.requires_grad_(True), tq.requires_grad_(True), tk.requires_grad_(True)
@@ -237,7 +258,8 @@ def test_attention_config_refusals(tiny_world, tmp_path):
     for change, named in (({"key_space": "pre_rope"}, "set key_space: post_rope"),
                           ({"fusion": "kv_mean"}, "kv_mean"),
                           ({"kv_loss": "mercator", "relation_rows": "answer"}, "relation_rows selects"),
-                          ({"relation_rows": "answers"}, "relation_rows 'answers'")):
+                          ({"relation_rows": "answers"}, "relation_rows 'answers'"),
+                          ({"relation_rows": "field:digit", "lmbda": 0.5}, "generated completions")):
         with pytest.raises(ConfigError, match=named):
             parse_config(_train_argv(tiny_world, tmp_path / "x", **change))
     with pytest.raises(ConfigError, match="relation_rows field:nope: 8 of 8 records have no token field 'nope'"):
