@@ -83,8 +83,8 @@ class AttentionMapLoss(RowKLLoss):
         """
         L, B, H = s_q.shape[:3]
         L_t, _, H_t, T = t_q.shape[:4]
-        i = torch.arange(T, device=keys.device)
-        causal = torch.zeros(T, T, device=keys.device).masked_fill(i[None] > i[:, None], _CAUSAL)[rows]  # [C, T]
+        j = torch.arange(T, device=keys.device)
+        causal = torch.zeros(len(j[rows]), T, device=keys.device).masked_fill(j > j[rows, None], _CAUSAL)  # [C, T]
         with torch.no_grad():  # the teacher: a constant target
             z = row_logits(t_q[:, :, :, rows].flatten(0, 2), t_k.flatten(0, 2), key_bias(keys, (L_t, B, H_t)))
             p = z.add_(causal).softmax(-1).unflatten(0, (L_t, B, H_t))  # [L_t, B, H_t, C, T]
