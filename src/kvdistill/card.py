@@ -39,7 +39,11 @@ distilled with kvdistill from the key/value caches of {{ n_teachers }} teacher(s
 {%- else -%}
 trained with kvdistill on its labels only (no teacher)
 {%- endif %}, saved at optimizer step {{ step }}.
-It is a plain `transformers` model: `aligners/` and `kvdistill_modules.safetensors` serve only to
+{% if control and control != "none" %}
+**Control run** (`teacher_control: {{ control }}`): trained against a control target, not a teacher's
+knowledge; it is the yardstick a distilled student must beat (docs/evaluation.md), not a student to use.
+
+{% endif %}It is a plain `transformers` model: `aligners/` and `kvdistill_modules.safetensors` serve only to
 resume training.
 
 - **Base model** (the student's initialisation): `{{ base_model }}`
@@ -118,6 +122,7 @@ def card_info(
         "data": pick("data"),
         "training": pick("training"),
         "evaluations": [],
+        "control": config.get("teacher_control", "none"),  # a control run says so on its card
     }
 
 
@@ -146,6 +151,7 @@ def render_card(info: Mapping[str, Any]) -> ModelCard:
         max_steps=info.get("training", {}).get("max_steps"),
         n_teachers=len(info.get("teachers", [])),
         prompt_template=info.get("data", {}).get("prompt_template", "Question: {question}\nAnswer:"),
+        control=info.get("control"),
         teachers_table=_teachers_table(info.get("teachers", [])),
         signals_table=_signals_table(info.get("signals", {})),
         alignment_table=_options_table(info.get("alignment", {})),

@@ -99,6 +99,8 @@ BUILTIN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "relation": ("+Relation", dict(_RELATION)),
     "relation_untrained": ("+Relation, untrained teacher", {**_RELATION, "teacher_control": "untrained"}),
     "relation_shuffled": ("+Relation, shuffled teacher", {**_RELATION, "teacher_control": "shuffled"}),
+    # positive control of the relation channel: the data's `class` field as target (oracle_field to change)
+    "relation_oracle": ("+Relation, oracle target", {**_RELATION, "teacher_control": "oracle"}),
     "logit_kd": ("Logit KD (positive control)", {"kv_weight": 0.0, "logit_kd_weight": 1.0}),
     "logit_kd_kv": ("Logit KD + KV", {**_KV, "logit_kd_weight": 1.0}),
     "logit_kd_relation": ("Logit KD + Relation", {**_RELATION, "logit_kd_weight": 1.0}),
@@ -403,8 +405,10 @@ def capture_dir_for(cfg: AblationConfig, variant: Variant, train_cfg: Mapping[st
     # `KVDistillConfig.teacher_signal` on the unparsed YAML (class attributes hold the defaults)
     if not any(float(train_cfg.get(k, getattr(KVDistillConfig, k))) > 0 for k in TEACHER_SIGNALS):
         return None
-    untrained = train_cfg.get("teacher_control") == "untrained"
-    return Path(cfg.output_dir) / "captures" / (f"{variant.name}_seed{train_cfg['seed']}" if untrained else variant.name)
+    if train_cfg.get("teacher_control") == "oracle":  # no teacher runs: nothing to capture
+        return None
+    per_seed = train_cfg.get("teacher_control") in ("untrained", "permuted")  # weights / map drawn from the seed
+    return Path(cfg.output_dir) / "captures" / (f"{variant.name}_seed{train_cfg['seed']}" if per_seed else variant.name)
 
 
 def make_capture(rdir: str, made: dict[str, dict]) -> tuple[dict[str, dict], list[str]]:
@@ -659,6 +663,7 @@ def read_run(rdir: Path) -> dict[str, Any] | None:
         "cos_sim": final.get("cos_sim"),
         "relation_kl": final.get("relation_kl"),
         "global_step": train.get("global_step"),
+        "teacher_control": train.get("teacher_control"),
         "environment": train.get("environment"),
         "items": items,
         "metrics": read_jsonl(rdir / "metrics.jsonl"),
@@ -728,6 +733,23 @@ def compare(
     }
 
 
+# controls a report names beside the variant's label (the built-in untrained/shuffled labels say it already)
+CONTROL_TAGS = {"oracle": "positive control: oracle target", "permuted": "control: permuted teacher input",
+                "other_task": "control: other-task teacher"}
+
+
+def control_label(label: str, control: str | None) -> str:
+    """`label` with its run's control named, e.g. `+Relation [control: other-task teacher]`."""
+    tag = CONTROL_TAGS.get(str(control))
+    return label if tag is None or tag in label else f"{label} [{tag}]"
+
+
+def _control(cfg: AblationConfig, v: Variant, per_seed: Mapping[int, Mapping[str, Any]]) -> str:
+    """A variant's teacher_control: as its runs recorded it (train_summary.json), else as the ablation sets it."""
+    recorded = [r["teacher_control"] for r in per_seed.values() if r.get("teacher_control")]
+    return recorded[0] if recorded else str({**(cfg.overrides or {}), **v.overrides}.get("teacher_control", "none"))
+
+
 def summarize(cfg: AblationConfig) -> dict[str, Any]:
     """Read every finished run and compute the per-variant numbers and the comparisons."""
     runs = {
@@ -741,7 +763,9 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
     variants: dict[str, Any] = {}
     for v in cfg.variants:
         per_seed = runs[v.name]
-        row: dict[str, Any] = {"label": v.label, "overrides": v.overrides, "seeds": sorted(per_seed)}
+        control = _control(cfg, v, per_seed)
+        row: dict[str, Any] = {"label": control_label(v.label, control), "teacher_control": control,
+                               "overrides": v.overrides, "seeds": sorted(per_seed)}
         for key in ("accuracy", "answer_nll", "cos_sim", "relation_kl", "perplexity", "ce", "kv_loss"):
             mean, std, n = mean_std([r[key] for r in per_seed.values()])
             row[key] = {"mean": mean, "std": std, "n": n}

@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import datasets
 import torch
 from accelerate import PartialState
 from transformers import set_seed
@@ -32,6 +31,7 @@ from kvdistill.capture import (
     weights_fingerprint,
 )
 from kvdistill.config import ConfigError
+from kvdistill.controls import TextPermutation, oracle_width
 from kvdistill.data import DistillCollator, TeacherView, add_latent_token, load_records
 from kvdistill.fusion import TeacherFusion
 from kvdistill.io import read_json, write_json_atomic
@@ -49,7 +49,7 @@ from kvdistill.teachers import Teacher, TeacherSet, load_teacher
 from kvdistill.train.config import KVDistillConfig, TeacherConfig, option_names
 from kvdistill.train.distributed import gathered
 from kvdistill.train.model import KVDistillModel, LossWeights
-from kvdistill.train.trainer import KVDistillTrainer
+from kvdistill.train.trainer import KVDistillTrainer, oracle_targets
 
 logger = logging.getLogger(__name__)
 SEGMENT_KEYS = {name: sid for sid, name in SEGMENT_NAMES.items()}
@@ -185,8 +185,9 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
     tokenizer = load_tokenizer(cfg.student)
     student = load_model(cfg.student, dtype=cfg.student_dtype)
     specs = cfg.active_teachers
+    # the oracle control runs no teacher: only its architecture (layer count) is read, on the meta device
     teachers = [load_teacher(s, tokenizer, untrained=cfg.teacher_control == "untrained", seed=cfg.seed,
-                             weights=teacher_weights) for s in specs]
+                             weights=teacher_weights and cfg.teacher_control != "oracle") for s in specs]
     # before the latent slot token joins the student's tokenizer (teachers never read it)
     for name, model, tok in [(f"student {cfg.student}", student, tokenizer),
                              *((f"teacher {t.name}", t.model, t.tokenizer) for t in teachers)]:
@@ -196,11 +197,14 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
     if cfg.student_input.startswith("latent:") and add_latent_token(tokenizer):
         # the slot token is new to the student: one more embedding row (mean-initialised)
         student.resize_token_embeddings(len(tokenizer))
-    if cfg.student_input != "full":  # privileged teachers read the full rationale: never the student's tokens
+    # privileged teachers read the full rationale, permuted ones their rewritten text: never the student's tokens
+    if cfg.student_input != "full" or cfg.teacher_control == "permuted":
         for t in teachers:
             t.shares_student_tokens = False
+    rewrite = (TextPermutation.seeded(cfg.permute, cfg.permute_vocab, cfg.seed)
+               if cfg.teacher_control == "permuted" else None)
     views = {
-        t.name: TeacherView(t.tokenizer, s.rationale_field)
+        t.name: TeacherView(t.tokenizer, s.rationale_field, rewrite)
         for t, s in zip(teachers, specs) if not t.shares_student_tokens
     }
     transfer = []
@@ -302,6 +306,7 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
     # size the aligners from one probe batch (dims are read from the caches, so any pair works); under
     # ZeRO-3 the models were loaded partitioned: each is gathered whole for its probe, one at a time
     aligners, layer_maps, codi_dims = {}, {}, {}
+    width = oracle_width([*records, *run.transfer], cfg.oracle_field) if cfg.teacher_control == "oracle" else 0
     if teachers:
         probe = collator(records[:2])
         student.to(cfg.device)
@@ -314,9 +319,12 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
             _, key_space, hidden, logits = cache_key(cfg, t)
             inputs = (src[k].to(cfg.device) for k in ("input_ids", "attention_mask", "segment_ids"))
             index = probe["index"] if cfg.teacher_capture else None
-            with gathered(t.model.parameters()):
-                tkv, _ = teacher_set.forward(t.name, *inputs, key_space=key_space, output_hidden_states=hidden,
-                                             return_logits=logits, index=index)
+            if cfg.teacher_control == "oracle":  # the target training reads in place of the teacher
+                tkv = oracle_targets(teacher_set, probe, probe.get("token_fields"), cfg, width)[t.name]
+            else:
+                with gathered(t.model.parameters()):
+                    tkv, _ = teacher_set.forward(t.name, *inputs, key_space=key_space, output_hidden_states=hidden,
+                                                 return_logits=logits, index=index)
             layer_maps[t.name] = _layer_map(cfg, s, student, t.model)
             aligner = make_aligner(cfg, s, layer_maps[t.name])
             aligner.setup(tkv, skv)
@@ -337,6 +345,8 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
     if cfg.accuracy_eval_steps > 0:
         accuracy_records = load_records(cfg.data, cfg.accuracy_eval_split, cfg.field_map, cfg.accuracy_eval_limit)
     return KVDistillTrainer(
-        model=model, args=cfg, train_dataset=datasets.Dataset.from_list(records), data_collator=collator,
+        # a plain list, not an Arrow table: records reach the collator as loaded (token_fields' nested tuples)
+        model=model, args=cfg, train_dataset=records, data_collator=collator,
         processing_class=tokenizer, teachers=teacher_set, layer_maps=layer_maps, accuracy_records=accuracy_records,
+        oracle_width=width,
     )

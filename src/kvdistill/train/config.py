@@ -24,6 +24,7 @@ from kvdistill.align.time import TIME_MODES
 from kvdistill.card import SECTIONS
 from kvdistill.config import ConfigError, check_choice, check_ranges, option, suggest, to_plain
 from kvdistill.config import parse_config as parse_command_config
+from kvdistill.controls import TextPermutation
 from kvdistill.data import DEFAULT_TEMPLATE, FIELD_MAPS, parse_student_input
 from kvdistill.fusion import FUSIONS
 from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
@@ -31,7 +32,8 @@ from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
 # the config's names for the layer map: "cka" reads each teacher's JSON (the aligner's "json" kind)
 LAYER_MAPS = ("proportional", "last_k", "cka")
 KV_LOSSES = (*LOSSES, "relation")  # relation: MiniLMv2 self-relations, no projector (losses/relation.py)
-TEACHER_CONTROLS = ("none", "untrained", "shuffled")
+# controls: a gain counts as transfer only if it beats them (docs/evaluation.md; controls.py)
+TEACHER_CONTROLS = ("none", "untrained", "shuffled", "oracle", "permuted", "other_task")
 ON_NONFINITE = ("stop", "skip")
 LOGIT_KD = LOGIT_KD_KINDS
 DESCRIPTION = """Multi-teacher KV-cache distillation on transformers.Trainer.
@@ -237,8 +239,21 @@ class KVDistillConfig(TrainingArguments):
                                       affects="teacher_outputs")
     teacher_control: str = option("none", f"Control run {TEACHER_CONTROLS}: untrained = random-init copies of the "
                                   "teachers; shuffled = each sample gets another sample's teacher (a derangement "
-                                  "within the batch). A gain must beat both to count as knowledge transfer.",
+                                  "within the batch); oracle = the relation target of the data's class field "
+                                  "(oracle_field) in place of each teacher (its layer count and layer map kept, no "
+                                  "weights loaded; kv_loss relation); permuted = teachers read the text with "
+                                  "`permute` applied (the student the original); other_task = the listed teachers "
+                                  "are trained on a related task without the knowledge (run as usual, labelled a "
+                                  "control). A gain must beat the controls to count as knowledge transfer.",
                                   affects="teacher_outputs", card="alignment")
+    oracle_field: str = option("class", "teacher_control oracle: the per-token class field of the data (token_fields): "
+                               "tokens of one class relate, others do not.", affects="teacher_outputs", card="alignment")
+    permute: str | None = option(None, "teacher_control permuted: numbers (every integer in permute_vocab) | names "
+                                 "(every whole word in permute_vocab), mapped through one bijection seeded by `seed`.",
+                                 affects="teacher_inputs", card="alignment")
+    permute_vocab: None | str | list = option(None, "teacher_control permuted: what is permuted: a range `lo..hi` or "
+                                              "a list of integers (numbers; others are kept), or a list of names.",
+                                              affects="teacher_inputs", card="alignment")
     # ---- privileged teacher (KaVa)
     student_input: str = option("full", "What the student reads of the rationale: full | no_rationale | "
                                 "short_rationale:K (its first K lines) | latent:N (N latent slot tokens in its place, "
@@ -275,7 +290,7 @@ class KVDistillConfig(TrainingArguments):
 
     def __post_init__(self) -> None:
         # mapping-valued options arrive as YAML objects from a file, or as strings from the CLI
-        for key in ("teachers", "field_map", "transfer_field_map", "segment_weights"):
+        for key in ("teachers", "field_map", "transfer_field_map", "segment_weights", "permute_vocab"):
             setattr(self, key, to_plain(getattr(self, key)))
         if isinstance(self.report_to, str) and "," in self.report_to:  # CLI: `tensorboard,wandb` or `[a, b]`
             self.report_to = [r.strip() for r in self.report_to.strip("[]").split(",") if r.strip()]
@@ -347,6 +362,7 @@ class KVDistillConfig(TrainingArguments):
             parse_student_input(self.student_input)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        self._check_control()
         if self.kv_loss == "relation" and self.fusion == "kv_mean":
             raise ConfigError("fusion: kv_mean averages projected teacher KVs; kv_loss relation has no projector, "
                               "use fusion: loss_sum (or learned / correctness)")
@@ -399,6 +415,32 @@ class KVDistillConfig(TrainingArguments):
         if not _is_model_ref(self.student):
             raise ConfigError(f"student path {self.student!r} does not exist; give a local model directory "
                               "or a Hub id")
+
+    def _check_control(self) -> None:
+        """The options of the oracle / permuted / other_task controls, and what they cannot run with."""
+        c = self.teacher_control
+        if c in ("oracle", "permuted", "other_task") and not self.teacher_signal:
+            raise ConfigError(f"teacher_control: {c} controls a teacher signal; set kv_weight (or codi_weight / "
+                              "logit_kd_weight) > 0")
+        if c != "permuted" and (self.permute is not None or self.permute_vocab is not None):
+            raise ConfigError("permute / permute_vocab apply only with teacher_control: permuted; set it or drop them")
+        if c == "permuted":
+            try:
+                TextPermutation.seeded(self.permute, self.permute_vocab, self.seed)
+            except ValueError as err:
+                raise ConfigError(f"teacher_control: permuted: {err}") from None
+            if self.logit_kd_weight > 0:
+                raise ConfigError("logit KD compares teacher and student on the same tokens, which a permuted "
+                                  "teacher does not read; set logit_kd_weight: 0")
+        if c == "oracle":
+            if self.kv_loss != "relation" or self.kv_weight <= 0:
+                raise ConfigError("teacher_control: oracle is a relation target; set kv_loss: relation and kv_weight > 0")
+            if self.logit_kd_weight > 0 or self.codi_weight > 0:
+                raise ConfigError("teacher_control: oracle has no logits or hidden states; set logit_kd_weight: 0 "
+                                  "and codi_weight: 0")
+            if self.teacher_capture or self.fusion == "correctness":
+                raise ConfigError("teacher_control: oracle runs no teacher (nothing to capture or to answer with); "
+                                  "drop teacher_capture and use fusion loss_sum or learned")
 
     def _check_layer_map_counts(self, t: TeacherConfig) -> None:
         """Compare a layer map's layer counts with the models' configs (config.json only, no weights)."""

@@ -25,7 +25,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from kvdistill.align.compress import compress_cache
 from kvdistill.cache import REASONING, KVCache
 from kvdistill.card import write_card
+from kvdistill.controls import oracle_cache
 from kvdistill.io import read_jsonl, write_json_atomic, write_text_atomic
+from kvdistill.models import num_layers
 from kvdistill.teachers import TeacherSet, derangement
 from kvdistill.train.config import ConfigError, KVDistillConfig, card_sections
 from kvdistill.train.model import KVDistillModel
@@ -121,6 +123,20 @@ class AccuracyCallback(TrainerCallback):
         control.should_log = should_log
 
 
+def oracle_targets(teachers: TeacherSet, inputs: dict, token_fields: dict | None, args: KVDistillConfig,
+                   width: int) -> dict[str, KVCache]:
+    """`teacher_control: oracle`: in place of each teacher, the relation target of the class field
+    (`controls.oracle_cache`), on the student's own tokens (time alignment maps it 1:1) and with that
+    teacher's layer count, so the teacher's layer map decides which student layers it reaches."""
+    classes = (token_fields or {}).get(args.oracle_field)
+    if classes is None:
+        raise ConfigError(f"teacher_control: oracle needs the per-token field {args.oracle_field!r} in every batch; "
+                          "this one has none (set oracle_field, or use data whose records carry it)")
+    return {t.name: oracle_cache(classes, inputs["attention_mask"], inputs["segment_ids"], layers=num_layers(t.model),
+                                 heads=args.relation_heads, width=width, temperature=args.relation_temperature)
+            for t in teachers}
+
+
 class KVDistillTrainer(Trainer):
     """Trainer whose model is a `KVDistillModel` and whose loss distils from `teachers`."""
 
@@ -128,7 +144,7 @@ class KVDistillTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args: Any, teachers: TeacherSet, layer_maps: dict[str, Any] | None = None,
-                 accuracy_records: list[dict] | None = None, **kwargs: Any):
+                 accuracy_records: list[dict] | None = None, oracle_width: int = 0, **kwargs: Any):
         from kvdistill.train.distributed import check_launch, enable_cpu_fsdp
 
         super().__init__(*args, **kwargs)
@@ -137,6 +153,7 @@ class KVDistillTrainer(Trainer):
         check_launch(self.accelerator)
         self.teachers = teachers
         self.layer_maps = layer_maps or {}
+        self.oracle_width = oracle_width  # teacher_control oracle: the class code's width (controls.oracle_width)
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self.add_callback(MetricsFileCallback(Path(self.args.output_dir) / "metrics.jsonl"))
         if accuracy_records and self.args.accuracy_eval_steps > 0:
@@ -194,13 +211,14 @@ class KVDistillTrainer(Trainer):
         args: KVDistillConfig = self.args
         inputs = dict(inputs)
         teacher_inputs = inputs.pop("teacher_inputs", {})
-        inputs.pop("token_fields", None)  # a task's per-token facts (fields.py): read by row selection and controls
+        token_fields = inputs.pop("token_fields", None)  # a task's per-token facts (fields.py): read by row
+        # selection (relation_rows) and controls
         warm = kv_warmup_factor(self.state.global_step, args.kv_warmup_steps)
         kv_scale = args.kv_weight * warm
         use_teachers = len(self.teachers) > 0 and (kv_scale > 0 or args.codi_weight > 0 or args.logit_kd_weight > 0)
         teacher_kvs, teacher_logits = {}, {}
         if use_teachers:
-            teacher_kvs, teacher_logits = self.teacher_targets(inputs, teacher_inputs)
+            teacher_kvs, teacher_logits = self.teacher_targets(inputs, teacher_inputs, token_fields)
         counts = num_items_in_batch
         out = model(
             **inputs,
@@ -232,15 +250,20 @@ class KVDistillTrainer(Trainer):
         return g.manual_seed(self.args.seed * 1_000_003 + self.state.global_step * 7919 + self.args.process_index)
 
     @torch.no_grad()
-    def teacher_targets(self, inputs: dict, teacher_inputs: dict) -> tuple[dict[str, KVCache], dict[str, Tensor]]:
+    def teacher_targets(self, inputs: dict, teacher_inputs: dict, token_fields: dict | None = None
+                        ) -> tuple[dict[str, KVCache], dict[str, Tensor]]:
         """Every teacher's detached KV (and logits for logit KD) on this batch, controls applied.
 
         - `teacher_control: shuffled`: every teacher reads another sample of the batch (one
           derangement per step, shared by the teachers); the time alignment handles the lengths.
+        - `teacher_control: oracle`: no teacher runs; each gets the oracle target (`oracle_targets`).
+          (`permuted` is applied by the collator, on the text each teacher reads.)
         - a shortened `student_input`: each teacher's rationale is compressed onto the student's
           reasoning slots (`align.compress.compress_cache`, in that teacher's own time axis).
         """
         args: KVDistillConfig = self.args
+        if args.teacher_control == "oracle":
+            return oracle_targets(self.teachers, inputs, token_fields, args, self.oracle_width), {}
         device = inputs["input_ids"].device
         B = inputs["input_ids"].shape[0]
         perm = derangement(B, self._step_generator()).to(device) if args.teacher_control == "shuffled" else None
