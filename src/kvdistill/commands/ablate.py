@@ -10,6 +10,10 @@ variants: [core, {name: kv_w1, base: kv, overrides: {kv_weight: 1.0}}]
 overrides: {max_steps: 600}         # applied to every run, before the variant's own
 baseline: baseline                  # the reference of every comparison
 eval: {split: test, limit: 1000, batch_size: 16, max_new_tokens: 256}
+hypothesis: KV matching beats SFT   # pre-registered with `primary` (evaluate/prereg.py)
+primary: {comparison: [kv, baseline], metric: accuracy, test: welch, alpha: 0.05}
+threshold: 0.5                      # dev accuracy for steps-to-threshold (runs log eval_accuracy)
+margin: 0.05                        # TOST equivalence margin (accuracy) of every comparison
 ```
 
 Runs go to `out_dir/runs/<variant>/seed_<s>/` (the trainer's output_dir; its evaluation in
@@ -26,7 +30,11 @@ The report compares each variant with the baseline twice: across seeds (paired t
 the per-seed accuracies, paired by seed) and across items (per-item correctness pooled over
 the common seeds, paired by (seed, item): sign-flip permutation p-value and a bootstrap CI of
 the accuracy difference). Seeds carry the training variance, items the test-set variance;
-with few seeds the item-level test alone overstates certainty, so both are reported.
+with few seeds the item-level test alone overstates certainty, so both are reported. Beside them
+(`kvdistill.evaluate.comparisons`): Welch and Mann–Whitney over seeds, TOST within ±`margin`, the
+answer NLL's tests, and log-rank / Mann–Whitney for steps to `threshold`. `hypothesis` and
+`primary` are written with a config hash to `preregistration.json` before the first run
+(`kvdistill.evaluate.prereg`); the report opens with the primary result in words.
 """
 
 from __future__ import annotations
