@@ -87,7 +87,7 @@ def test_demo_quick_end_to_end(tmp_path):
     # ... but not a student trained with other settings than the demo's (a config changed since)
     saved = out / "runs" / "student_kv" / "kvdistill_config.yaml"
     saved.write_text(yaml.safe_dump({**yaml.safe_load(saved.read_text()), "kv_weight": 0.5}))
-    with pytest.raises(ConfigError, match=r"student_kv was trained with other settings \(kv_weight differ\).*delete"):
+    with pytest.raises(ConfigError, match=r"student_kv was trained with other settings \(kv_weight differ\) than this demo asks; delete"):
         demo_main(["--quick", "--output_dir", str(out)])
 
 

@@ -5,7 +5,8 @@ import json
 import pytest
 import yaml
 
-from kvdistill.train.config import ConfigError, KVDistillConfig, changed_settings, parse_config
+from kvdistill.runs import differing
+from kvdistill.train.config import BOOKKEEPING, ConfigError, KVDistillConfig, parse_config
 from kvdistill.train.trainer import kv_warmup_factor
 
 
@@ -80,12 +81,12 @@ def test_config_is_training_arguments(tiny_world):
     assert yaml.safe_load(yaml.safe_dump(cfg.to_yaml_dict()))["student"] == str(tiny_world.models["student"])
 
 
-def test_changed_settings_ignores_bookkeeping_and_options_newer_than_the_run():
+def test_differing_settings_ignore_bookkeeping_and_options_newer_than_the_run():
     saved = {"kv_weight": 0.1, "max_steps": 10, "output_dir": "a", "save_steps": 5, "old_option": 1}
     now = {"kv_weight": 0.1, "max_steps": 20, "output_dir": "b", "save_steps": 9, "new_option": True}
-    assert changed_settings(saved, now) == ["max_steps", "new_option", "old_option"]
-    assert changed_settings(saved, now, common_only=True) == ["max_steps"]
-    assert changed_settings(saved, {**saved, "teacher_capture": "c", "report_to": "none"}) == []
+    assert differing(saved, now, BOOKKEEPING) == ["max_steps", "new_option", "old_option"]
+    assert differing(saved, now, BOOKKEEPING, common_only=True) == ["max_steps"]
+    assert differing(saved, {**saved, "teacher_capture": "c", "report_to": "none"}, BOOKKEEPING) == []
 
 
 # ---- option roles (one declaration per option: what it changes, its card section, its valid range)
@@ -111,7 +112,7 @@ def test_every_option_declares_its_role_and_every_number_its_range(cls):
 
 
 def test_roles_give_the_teacher_signals_bookkeeping_and_card_sections():
-    from kvdistill.train.config import BOOKKEEPING, TEACHER_SIGNALS, card_sections
+    from kvdistill.train.config import TEACHER_SIGNALS, card_sections
 
     assert TEACHER_SIGNALS == ("kv_weight", "codi_weight", "logit_kd_weight")
     assert {"output_dir", "save_strategy", "save_steps", "save_total_limit", "logging_steps",

@@ -67,10 +67,20 @@ from kvdistill.evaluate.comparisons import (
 )
 from kvdistill.evaluate.prereg import make_record, parse_primary, preregister, primary_verdict, render_lead
 from kvdistill.evaluate.stats import mean_std, paired_bootstrap, paired_permutation_test, paired_ttest
-from kvdistill.io import read_json, read_jsonl, write_json_atomic, write_text_atomic
+from kvdistill.io import read_json, write_json_atomic, write_text_atomic
 from kvdistill.malloc import keep_freed_memory
 from kvdistill.report import fmt_mean_std, fmt_num, fmt_p, fmt_signed, format_environment
-from kvdistill.train.config import TEACHER_SIGNALS, KVDistillConfig, changed_settings
+from kvdistill.runs import (
+    ASKED_CONFIG,
+    EVAL_DIR,
+    EVAL_SUMMARY,
+    TRAIN_SUMMARY,
+    check_reuse,
+    evaluated,
+    read_run,
+    trained,
+)
+from kvdistill.train.config import BOOKKEEPING, TEACHER_SIGNALS, KVDistillConfig
 from kvdistill.train.config import parse_config as parse_train_config
 
 # ----------------------------------------------------------------------------- variants
@@ -426,24 +436,10 @@ def make_capture(rdir: str, made: dict[str, dict]) -> tuple[dict[str, dict], lis
     (a worker process hands them back to the parent's log)."""
     from kvdistill.commands.capture import run_capture
 
-    train_cfg = parse_train_config(["--config", str(Path(rdir) / "train_config.yaml")])
+    train_cfg = parse_train_config(["--config", str(Path(rdir) / ASKED_CONFIG)])
     lines = [f"capture: {train_cfg.teacher_capture}"]
     run_capture(train_cfg, log=lambda msg: lines.append(f"    {msg}"), made=made)
     return made, lines
-
-
-def _check_same_settings(rdir: Path, train_cfg: dict[str, Any]) -> None:
-    """A run dir left by an earlier ablation is reused only if it was made with these settings
-    (bookkeeping options aside)."""
-    saved_path = rdir / "train_config.yaml"
-    if not saved_path.exists():
-        return
-    saved = yaml.safe_load(saved_path.read_text()) or {}
-    now = yaml.safe_load(yaml.safe_dump(train_cfg, sort_keys=False, allow_unicode=True))
-    changed = changed_settings(saved, now)
-    if changed:
-        raise AblationError(f"{rdir} holds a run made with other settings ({', '.join(changed)} differ); delete "
-                            "it or set another output_dir, so old and new runs are never mixed")
 
 
 def _default_train(argv: list[str]) -> int:
@@ -474,16 +470,16 @@ def train_and_evaluate(rdir: str, settings: Mapping[str, Any], train_fn: TrainFn
                        eval_fn: EvalFn | None = None) -> None:
     """Train one run from its `train_config.yaml` (unless finished) and evaluate it into `eval/`."""
     train_fn, eval_fn, path = train_fn or _default_train, eval_fn or _default_eval, Path(rdir)
-    if not (path / "train_summary.json").exists():
+    if not trained(path):
         # a run killed mid-training goes on from its newest complete checkpoint (none: from the start)
-        rc = train_fn(["--config", str(path / "train_config.yaml"), "--resume_from_checkpoint", "last"])
+        rc = train_fn(["--config", str(path / ASKED_CONFIG), "--resume_from_checkpoint", "last"])
         if rc:
             raise RuntimeError(f"training exited with code {rc}")
-        if not (path / "train_summary.json").exists():
-            raise RuntimeError(f"training finished but wrote no {path / 'train_summary.json'}")
-    eval_fn(str(path), str(path / "eval"), settings)
-    if not (path / "eval" / "summary.json").exists():
-        raise RuntimeError(f"evaluation wrote no {path / 'eval' / 'summary.json'}")
+        if not trained(path):
+            raise RuntimeError(f"training finished but wrote no {path / TRAIN_SUMMARY}")
+    eval_fn(str(path), str(path / EVAL_DIR), settings)
+    if not evaluated(path / EVAL_DIR):
+        raise RuntimeError(f"evaluation wrote no {path / EVAL_DIR / EVAL_SUMMARY}")
 
 
 @dataclass
@@ -616,7 +612,7 @@ def run_ablation(
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     # before any run: the hypothesis and primary test are fixed, or this output dir is refused
-    preregister(out, preregistration(cfg), any((out / "runs").glob("*/seed_*/train_config.yaml")), log)
+    preregister(out, preregistration(cfg), any((out / "runs").glob(f"*/seed_*/{ASKED_CONFIG}")), log)
     # seed-major order: a partial ablation already holds complete seeds for every variant
     jobs = [(v, s) for s in cfg.seeds for v in cfg.variants]
     todo: list[_Job] = []
@@ -627,16 +623,18 @@ def run_ablation(
         capture = capture_dir_for(cfg, variant, train_cfg)
         if capture is not None:
             train_cfg["teacher_capture"] = str(capture)
-        _check_same_settings(rdir, train_cfg)
-        if (rdir / "eval" / "summary.json").exists():
+        # a run dir left by an earlier ablation is reused only if it was made with these settings
+        check_reuse(rdir, ASKED_CONFIG, train_cfg, BOOKKEEPING, asker="this ablation", error=AblationError,
+                    fix="delete it or set another output_dir, so old and new runs are never mixed")
+        if evaluated(rdir / EVAL_DIR):
             log(f"{tag}: finished, skipped")
             continue
         rdir.mkdir(parents=True, exist_ok=True)
-        trained = (rdir / "train_summary.json").exists()  # only its evaluation is left: no capture needed
-        if not trained:
-            write_text_atomic(rdir / "train_config.yaml", yaml.safe_dump(train_cfg, sort_keys=False, allow_unicode=True))
+        done = trained(rdir)  # only its evaluation is left: no capture needed
+        if not done:
+            write_text_atomic(rdir / ASKED_CONFIG, yaml.safe_dump(train_cfg, sort_keys=False, allow_unicode=True))
         todo.append(_Job(tag, str(rdir), eval_settings_for(cfg, train_cfg),
-                         None if trained or capture is None else str(capture)))
+                         None if done or capture is None else str(capture)))
 
     plan = _Plan(todo, cfg.keep_going, log)
     if cfg.workers == 1 or len(todo) <= 1:
@@ -650,32 +648,6 @@ def run_ablation(
 
 
 # ----------------------------------------------------------------------------- reading runs
-
-
-def read_run(rdir: Path) -> dict[str, Any] | None:
-    """One finished run: eval summary, per-item correctness by index, train summary, curves."""
-    summary = read_json(rdir / "eval" / "summary.json")
-    if summary is None:
-        return None
-    items = {int(row["index"]): bool(row["correct"]) for row in read_jsonl(rdir / "eval" / "items.jsonl")}
-    train = read_json(rdir / "train_summary.json", {})
-    final = train.get("final") or {}
-    return {
-        "accuracy": summary.get("accuracy"),
-        "ci_low": summary.get("ci_low"),
-        "ci_high": summary.get("ci_high"),
-        "n": summary.get("n"),
-        "perplexity": summary.get("perplexity"),
-        "ce": final.get("ce"),
-        "kv_loss": final.get("kv_loss"),
-        "cos_sim": final.get("cos_sim"),
-        "relation_kl": final.get("relation_kl"),
-        "global_step": train.get("global_step"),
-        "teacher_control": train.get("teacher_control"),
-        "environment": train.get("environment"),
-        "items": items,
-        "metrics": read_jsonl(rdir / "metrics.jsonl"),
-    }
 
 
 # ----------------------------------------------------------------------------- statistics

@@ -42,16 +42,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config
 from kvdistill.data import format_example
 from kvdistill.io import REPO_ROOT, read_json, read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.report import format_environment
+from kvdistill.runs import (
+    EVAL_ITEMS,
+    EVAL_SUMMARY,
+    METRICS,
+    TRAIN_CONFIG,
+    TRAIN_SUMMARY,
+    check_reuse,
+    evaluated,
+    trained,
+)
 from kvdistill.synthetic import generate_problems, write_jsonl
-from kvdistill.train.config import changed_settings
+from kvdistill.train.config import BOOKKEEPING
 from kvdistill.train.config import parse_config as parse_train_config
-from kvdistill.train.trainer import CONFIG_FILE
 
 CONFIG_DIR = REPO_ROOT / "configs" / "demo"
 TASK = {"min_steps": 2, "max_steps": 2, "max_value": 20, "ops": ("add", "sub")}
@@ -205,22 +213,14 @@ def build_models(out: Path, data: Path, seed: int = 0) -> dict[str, Path]:
     return paths
 
 
-def _done(path: Path) -> bool:
-    """A finished evaluation (`summary.json`) output directory."""
-    return (path / "summary.json").exists()
-
-
 def _trained(path: Path, argv: list[str], stale: Path) -> bool:
     """A finished training in `path`, made with the settings `argv` (a `kvdistill train` command line)
     asks. One made otherwise (a config changed since) stops the demo, naming what to delete: `stale`,
     the run and what was made from it."""
-    if not (path / "train_summary.json").exists():
+    if not trained(path):
         return False
-    saved = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
-    changed = changed_settings(saved, parse_train_config(argv[1:]).to_yaml_dict(), common_only=True)
-    if changed:
-        raise ConfigError(f"{path} was trained with other settings ({', '.join(changed)} differ) than this demo "
-                          f"asks; delete {stale} or give another --output_dir")
+    check_reuse(path, TRAIN_CONFIG, parse_train_config(argv[1:]).to_yaml_dict(), BOOKKEEPING, common_only=True,
+                asker="this demo", fix=f"delete {stale} or give another --output_dir")
     return True
 
 
@@ -273,7 +273,7 @@ def write_report(out: Path, rows: list[dict], curve: dict, transfer: int) -> Pat
         f"≥ 95 % of the best ({curve['at_budget']:.3f}): {where}.", "",
         "![accuracy](accuracy.png)", "![SFT curve](sft_curve.png)", "",
     ]
-    env = read_json(out / "runs" / "student_sft" / "train_summary.json", {}).get("environment")
+    env = read_json(out / "runs" / "student_sft" / TRAIN_SUMMARY, {}).get("environment")
     if env:  # what a rerun must match to give these numbers (README: what is reproducible)
         lines += [f"Environment of the student runs: `{format_environment(env)}`.", ""]
     for run in STUDENTS:
@@ -305,11 +305,11 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     # everything after this stage reads the teachers: one trained otherwise asks for a fresh output dir
     jobs = {name: [] if _trained(teachers[name], argv, stale=out) else [argv] for name, argv in argvs.items()}
     for name, path in teachers.items():  # each teacher's dev accuracy right after its training
-        if jobs[name] or not _done(out / "eval_dev" / name):
+        if jobs[name] or not evaluated(out / "eval_dev" / name):
             jobs[name].append(_eval_argv(path, data, "dev", sizes.dev, out / "eval_dev" / name))
     run_parallel(jobs, workers, out / "logs")
     for name in teachers:
-        acc = read_json(out / "eval_dev" / name / "summary.json", {})["accuracy"]
+        acc = read_json(out / "eval_dev" / name / EVAL_SUMMARY, {})["accuracy"]
         if acc < gate:
             raise SystemExit(f"quality gate: teacher {name} reached {acc:.3f} on dev, {gate - acc:.3f} below the "
                              f"{gate:.2f} gate; train it longer (delete {teachers[name]} and raise its steps) or "
@@ -329,11 +329,11 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
                   "--accuracy_eval_limit", str(sizes.curve_items)]
     if not _trained(curve_run, curve_argv, stale=curve_run):
         jobs["sft_curve"] = [curve_argv]
-    if not _done(transfer):
+    if not evaluated(transfer):
         jobs["transfer"] = [_eval_argv(teachers[TRANSFER_TEACHER], data, "transfer_questions", sizes.transfer,
                                        transfer)]
     run_parallel(jobs, workers, out / "logs")
-    points = curve_points(curve_run / "metrics.jsonl")
+    points = curve_points(curve_run / METRICS)
     budget = plateau_step(points)
     best_step, best = max(points, key=lambda p: p[1])
     steps, accs = zip(*points)
@@ -349,7 +349,7 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     teacher_list = "[" + ", ".join(f"{{path: {p}}}" for p in teachers.values()) + "]"
     runs = {name: out / "runs" / name for name in STUDENTS}
     train = {name: ["--config", str(config_path(cfg_name)), *common, "--teachers", teacher_list,
-                    "--transfer_data", str(transfer / "items.jsonl"), "--transfer_field_map", TRANSFER_FIELDS,
+                    "--transfer_data", str(transfer / EVAL_ITEMS), "--transfer_field_map", TRANSFER_FIELDS,
                     "--output_dir", str(runs[name]), "--max_steps", str(budget), *extra]
              for name, (cfg_name, extra) in STUDENTS.items()}
     train = {name: argv for name, argv in train.items() if not _trained(runs[name], ["train", *argv], stale=runs[name])}
@@ -360,14 +360,14 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     run_parallel({f"capture_{name}": [["capture", *train[name]]] for name in captured}, workers, out / "logs")
     models = {**teachers, **runs}
     tests = {name: [_eval_argv(path, data, "test", sizes.test, out / "eval" / name)]
-             if name in train or not _done(out / "eval" / name) else [] for name, path in models.items()}
+             if name in train or not evaluated(out / "eval" / name) else [] for name, path in models.items()}
     # the longest jobs first (STUDENTS lists the cheapest first); the teachers' evaluations fill the gaps
     jobs = {name: ([["train", *train[name]]] if name in train else []) + tests[name] for name in reversed(STUDENTS)}
     run_parallel({**jobs, **{f"eval_{name}": tests[name] for name in teachers}}, workers, out / "logs")
     rows = []
     for name, path in models.items():
-        s = read_json(out / "eval" / name / "summary.json", {})
-        final = read_json(path / "train_summary.json", {}).get("final", {})
+        s = read_json(out / "eval" / name / EVAL_SUMMARY, {})
+        final = read_json(path / TRAIN_SUMMARY, {}).get("final", {})
         agree = (f"cos {final['cos_sim']:.3f}" if final.get("cos_sim") is not None else
                  f"relation KL {final['relation_kl']:.4f}" if final.get("relation_kl") is not None else None)
         rows.append({"model": name, "params": _params(path), "accuracy": s["accuracy"], "ci_low": s["ci_low"],

@@ -12,8 +12,9 @@ import logging
 from pathlib import Path
 
 from kvdistill.config import check_output_dir
-from kvdistill.io import write_json_atomic
+from kvdistill.io import read_json, write_json_atomic
 from kvdistill.report import environment
+from kvdistill.runs import METRICS, TRAIN_SUMMARY
 from kvdistill.train.build import build_trainer
 from kvdistill.train.config import KVDistillConfig, parse_config
 
@@ -29,29 +30,29 @@ def run_training(cfg: KVDistillConfig) -> Path:
     out = Path(cfg.output_dir)
     trainer.save_model(str(out))
     if cfg.world_size > 1:  # each rank leaves a fingerprint: DDP must keep them identical
-        (out / "ranks").mkdir(exist_ok=True)
         # logged losses are gathered over ranks; `result.training_loss` is this rank's own average
         last_logged_loss = [h["loss"] for h in trainer.state.log_history if "loss" in h][-1]
         checksum = sum(float(p.double().sum()) for p in trainer.distill_model.parameters())
         # FSDP and DeepSpeed leave each rank a shard (or an empty ZeRO-3 partition): its sum is no fingerprint
         sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
-        (out / "ranks" / f"rank{cfg.process_index}.json").write_text(json.dumps(
-            {"logged_loss": last_logged_loss, "local_shard_checksum" if sharded else "param_checksum": checksum}))
+        write_json_atomic(out / "ranks" / f"rank{cfg.process_index}.json",
+                          {"logged_loss": last_logged_loss, "local_shard_checksum" if sharded else "param_checksum": checksum},
+                          indent=None)
     if trainer.is_world_process_zero():
         from kvdistill.train.curves import final_metrics, plot_training_curves
 
         summary = {
             "global_step": trainer.state.global_step,
             "train_loss": result.training_loss,
-            "final": final_metrics(out / "metrics.jsonl"),
+            "final": final_metrics(out / METRICS),
             "teachers": trainer.teachers.manifest(),
             "teacher_control": cfg.teacher_control,  # a control run is labelled as one (ablate's report)
             "transfer_records": len(trainer.data_collator.transfer),
             "student": cfg.student,
             "environment": environment(),
         }
-        write_json_atomic(out / "train_summary.json", summary)
-        plot_training_curves(out / "metrics.jsonl", out)
+        write_json_atomic(out / TRAIN_SUMMARY, summary)
+        plot_training_curves(out / METRICS, out)
     return out
 
 
@@ -59,8 +60,8 @@ def main(argv: list[str]) -> int:
     cfg = parse_config(argv)  # a bad config fails here, before any model loads
     check_output_dir(cfg.output_dir)  # and an output_dir it could not write to, before any training
     out = run_training(cfg)
-    summary = out / "train_summary.json"
-    if summary.exists():
-        print(json.dumps(json.loads(summary.read_text())["final"], indent=1))
+    summary = read_json(out / TRAIN_SUMMARY)
+    if summary is not None:
+        print(json.dumps(summary["final"], indent=1))
     print(f"student and aligners saved to {out}")
     return 0

@@ -44,15 +44,6 @@ Options come from one YAML file (--config) plus command-line flags, which win. T
 options are listed first; every transformers TrainingArguments option follows and keeps its name."""
 
 
-def changed_settings(saved: dict[str, Any], now: dict[str, Any], common_only: bool = False) -> list[str]:
-    """The options (bookkeeping aside) in which two train configs, as YAML data, differ: a finished
-    run is reused only where this is empty. `common_only` compares only the options both hold: two
-    full configs (`kvdistill_config.yaml`) written by different versions, where an option added
-    since the run is no change of its settings."""
-    keys = saved.keys() & now.keys() if common_only else saved.keys() | now.keys()
-    return sorted(k for k in keys - BOOKKEEPING if saved.get(k) != now.get(k))
-
-
 @dataclass
 class TeacherConfig:
     """One teacher (an entry of `teachers:`). Unset projector fields inherit the run-wide ones."""

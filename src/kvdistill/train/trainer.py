@@ -28,13 +28,12 @@ from kvdistill.card import write_card
 from kvdistill.controls import oracle_cache
 from kvdistill.io import read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.models import num_layers
+from kvdistill.runs import METRICS, TEACHERS_FILE, TRAIN_CONFIG
 from kvdistill.teachers import TeacherSet, derangement
 from kvdistill.train.config import ConfigError, KVDistillConfig, card_sections
 from kvdistill.train.model import KVDistillModel
 
 MODULES_FILE = "kvdistill_modules.safetensors"  # aligners, fusion logits, CODI heads
-TEACHERS_FILE = "teachers.json"
-CONFIG_FILE = "kvdistill_config.yaml"
 COMPLETE_FILE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short
 
 logger = logging.getLogger(__name__)
@@ -155,7 +154,7 @@ class KVDistillTrainer(Trainer):
         self.layer_maps = layer_maps or {}
         self.oracle_width = oracle_width  # teacher_control oracle: the class code's width (controls.oracle_width)
         self._metrics: dict[str, list[float]] = defaultdict(list)
-        self.add_callback(MetricsFileCallback(Path(self.args.output_dir) / "metrics.jsonl"))
+        self.add_callback(MetricsFileCallback(Path(self.args.output_dir) / METRICS))
         if accuracy_records and self.args.accuracy_eval_steps > 0:
             self.add_callback(AccuracyCallback(self, accuracy_records, self.args.accuracy_eval_steps,
                                                self.args.accuracy_eval_max_new_tokens))
@@ -397,11 +396,8 @@ class KVDistillTrainer(Trainer):
                          state={k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
         if self.processing_class is not None:
             self.processing_class.save_pretrained(out)
-        (out / TEACHERS_FILE).write_text(json.dumps(self.teachers.manifest(), indent=1))
-        (out / CONFIG_FILE).write_text(yaml.safe_dump(self.args.to_yaml_dict(), sort_keys=False))
-        for name, lm in self.layer_maps.items():
-            (out / "layer_maps").mkdir(exist_ok=True)
-            (out / "layer_maps" / f"{name}.json").write_text(json.dumps({"teacher": name, "matrix": lm.tolist()}))
+        write_json_atomic(out / TEACHERS_FILE, self.teachers.manifest())
+        write_text_atomic(out / TRAIN_CONFIG, yaml.safe_dump(self.args.to_yaml_dict(), sort_keys=False))
         torch.save(self.args, out / "training_args.bin")
         write_card(out, self.args.to_yaml_dict(), self.teachers.manifest(), card_sections(),
                    step=self.state.global_step, layer_maps=self.layer_maps)

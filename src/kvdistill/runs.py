@@ -1,0 +1,97 @@
+"""A run directory: the names of its files, how to read one, and when a finished one is reused.
+
+    runs/student/                      `kvdistill train --output_dir runs/student`
+        kvdistill_config.yaml          TRAIN_CONFIG: the resolved options (also in every checkpoint)
+        teachers.json                  TEACHERS_FILE: the teacher manifest (also in every checkpoint)
+        metrics.jsonl                  METRICS: one row per logging step
+        train_summary.json             TRAIN_SUMMARY: written last; its presence means "finished"
+        train_config.yaml              ASKED_CONFIG: what `kvdistill ablate` asked the run to train with
+        eval/                          EVAL_DIR: ablate's evaluation of the run
+            summary.json, items.jsonl  EVAL_SUMMARY, EVAL_ITEMS: `kvdistill eval --output_dir ...`
+
+Everything here reads plain files; which options may differ between a finished run and a new
+request (`ignore`) is the caller's (`train.config.BOOKKEEPING`, derived from the options' roles).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvdistill.config import ConfigError
+from kvdistill.io import read_json, read_jsonl
+
+TRAIN_CONFIG = "kvdistill_config.yaml"
+TEACHERS_FILE = "teachers.json"
+METRICS = "metrics.jsonl"
+TRAIN_SUMMARY = "train_summary.json"
+ASKED_CONFIG = "train_config.yaml"
+EVAL_DIR = "eval"
+EVAL_SUMMARY = "summary.json"
+EVAL_ITEMS = "items.jsonl"
+
+
+def trained(rdir: str | Path) -> bool:
+    """`rdir` holds a finished training (its `train_summary.json`)."""
+    return (Path(rdir) / TRAIN_SUMMARY).exists()
+
+
+def evaluated(eval_dir: str | Path) -> bool:
+    """`eval_dir` holds a finished evaluation (its `summary.json`)."""
+    return (Path(eval_dir) / EVAL_SUMMARY).exists()
+
+
+def differing(saved: Mapping[str, Any], now: Mapping[str, Any], ignore: Collection[str] = (),
+              common_only: bool = False) -> list[str]:
+    """The options (those in `ignore` aside) in which two configs, as YAML data, differ. `common_only`
+    compares only the options both hold: two full configs written by different versions, where an
+    option added since the run is no change of its settings."""
+    keys = saved.keys() & now.keys() if common_only else saved.keys() | now.keys()
+    return sorted(k for k in keys - set(ignore) if saved.get(k) != now.get(k))
+
+
+def check_reuse(rdir: str | Path, config_file: str, now: Mapping[str, Any], ignore: Collection[str], *,
+                common_only: bool = False, asker: str = "this command", fix: str = "delete it or give another "
+                "--output_dir", error: type[ConfigError] = ConfigError) -> None:
+    """Refuse, in one line naming the differing options and `fix`, a run in `rdir` whose `config_file`
+    (YAML) holds other settings than `now`: a finished run is reused, and a partial one continued,
+    only with the settings it was made with. Nothing to compare (no such file) passes."""
+    path = Path(rdir) / config_file
+    if not path.exists():
+        return
+    saved = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    plain = yaml.safe_load(yaml.safe_dump(dict(now), sort_keys=False, allow_unicode=True))
+    changed = differing(saved, plain, ignore, common_only)
+    if changed:
+        raise error(f"{rdir} was trained with other settings ({', '.join(changed)} differ) than {asker} asks; {fix}")
+
+
+def read_run(rdir: str | Path) -> dict[str, Any] | None:
+    """One finished and evaluated run (ablate's layout): eval summary, per-item correctness by index,
+    train summary, curves; None when it has no evaluation yet."""
+    rdir = Path(rdir)
+    summary = read_json(rdir / EVAL_DIR / EVAL_SUMMARY)
+    if summary is None:
+        return None
+    items = {int(row["index"]): bool(row["correct"]) for row in read_jsonl(rdir / EVAL_DIR / EVAL_ITEMS)}
+    train = read_json(rdir / TRAIN_SUMMARY, {})
+    final = train.get("final") or {}
+    return {
+        "accuracy": summary.get("accuracy"),
+        "ci_low": summary.get("ci_low"),
+        "ci_high": summary.get("ci_high"),
+        "n": summary.get("n"),
+        "perplexity": summary.get("perplexity"),
+        "ce": final.get("ce"),
+        "kv_loss": final.get("kv_loss"),
+        "cos_sim": final.get("cos_sim"),
+        "relation_kl": final.get("relation_kl"),
+        "global_step": train.get("global_step"),
+        "teacher_control": train.get("teacher_control"),
+        "environment": train.get("environment"),
+        "items": items,
+        "metrics": read_jsonl(rdir / METRICS),
+    }
