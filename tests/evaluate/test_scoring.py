@@ -213,3 +213,14 @@ def test_evaluate_model_writes_per_item_answer_nll(tiny_world, tok, records):
     assert out["answer_nll"] == pytest.approx(sum(n for n, _ in want) / 4)
     off = evaluate_model(model, tok, recs, batch_size=2, max_new_tokens=6, perplexity=False, progress=False)
     assert off["answer_nll"] is None and "answer_nll" not in off["items"][0]
+
+
+def test_answer_nll_refuses_a_slow_tokenizer_before_generating(tok, records):
+    from kvdistill.data import DataError
+
+    class Slow:  # a tokenizer without character offsets
+        is_fast = False
+
+    model = FakeModel(tok, lambda q: pytest.fail("generated before the refusal"))
+    with pytest.raises(DataError, match="slow tokenizer: the answer NLL needs character offsets"):
+        evaluate_model(model, Slow(), records[:1], answer_nll=True, perplexity=False, progress=False)

@@ -38,6 +38,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from kvdistill.data import (
     ANSWER_MARKER,
     DEFAULT_TEMPLATE,
+    DataError,
     format_prompt,
     pad_batch,
     split_answer,
@@ -388,6 +389,9 @@ def evaluate_model(
         the summary dict (`accuracy, ci_low, ci_high, n, n_correct, n_no_answer, perplexity,
         nll, target_tokens, chat_template, ...`) with the per-item rows under `"items"`.
     """
+    if answer_nll and not getattr(tokenizer, "is_fast", False):  # before generating, not after
+        raise DataError(f"{type(tokenizer).__name__} is a slow tokenizer: the answer NLL needs character offsets; "
+                        "load it with use_fast=True, or pass --no_answer_nll")
     if hasattr(model, "eval"):
         model.eval()
     chat = use_chat(tokenizer, chat_template)
