@@ -178,25 +178,29 @@ def tokenize_completion(
 
     Returns:
         dict of 1-D tensors `[T]` (T <= max_length): `input_ids`, `attention_mask`, `labels`
-        (-100 on the prompt), `segment_ids` (0 prompt, 1 reasoning, 2 answer). A token takes the
-        segment of its last character; EOS is appended only to a finished completion.
+        (-100 on the prompt), `segment_ids` (0 prompt, 1 reasoning, 2 answer), `char_ends` (each
+        token's last character in the text, -1 for special tokens: cross-vocab logit KD pairs
+        positions by them). A token takes the segment of its last character; EOS is appended only
+        to a finished completion.
     """
     chat = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
     f = completion_segments(format_prompt(str(record["question"]), template, tokenizer if chat else None),
                             str(record["answer"]))
     enc = tokenizer(f.text, return_offsets_mapping=True, add_special_tokens=not chat, truncation=False)
     spans = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)  # [T, 2] char start, end
-    chars = char_segments(f)  # [len(text)]
-    # special tokens (empty span) read as prompt; cummax gives a special after the prompt its neighbour's segment
-    seg = torch.where(spans[:, 1] > spans[:, 0], chars[(spans[:, 1] - 1).clamp(min=0)], PROMPT).cummax(0).values
+    real = spans[:, 1] > spans[:, 0]  # special tokens have an empty span
+    ends = torch.where(real, spans[:, 1] - 1, -1)  # [T] each token's last character (-1: a special token)
+    # special tokens read as prompt; cummax gives a special after the prompt its neighbour's segment
+    seg = torch.where(real, char_segments(f)[ends.clamp(min=0)], PROMPT).cummax(0).values
     ids = torch.tensor(enc["input_ids"], dtype=torch.long)
     if record["finished"] and tokenizer.eos_token_id is not None:
         # an empty completion's EOS is still the student's choice, so it is a target too (reasoning)
         last = max(int(seg[-1]) if len(seg) else PROMPT, REASONING)
         ids, seg = torch.cat([ids, ids.new_tensor([tokenizer.eos_token_id])]), torch.cat([seg, seg.new_tensor([last])])
+        ends = torch.cat([ends, ends.new_tensor([-1])])
     ids, seg = ids[:max_length], seg[:max_length]
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.masked_fill(seg == PROMPT, -100),
-            "segment_ids": seg}
+            "segment_ids": seg, "char_ends": ends[:max_length]}
 
 
 def completion_batch(

@@ -56,6 +56,7 @@ README_NAME = "README.md"
 HEADLINES = {
     "over_floor": ("≤", "time / floor, lower is better"),
     "speedup": ("≥", "baseline time / time, higher is better"),
+    "ratio_vs_trl": ("≤", "kvdistill step time / TRL's on the same job, lower is better"),
     "mem_over_ce": ("≤", "peak extra memory / CE alone's, lower is better"),
 }
 

@@ -157,6 +157,9 @@ def check_zero3(cfg: KVDistillConfig) -> None:
     if cfg.accuracy_eval_steps > 0:
         raise ConfigError(f"accuracy_eval_steps has the main process decode with the student during training, {why}; "
                           "set accuracy_eval_steps 0 and run `kvdistill eval` on the checkpoints, or use ZeRO-2")
+    if cfg.lmbda > 0 or cfg.seq_kd:
+        raise ConfigError("lmbda > 0 / seq_kd generate every step, which under ZeRO-3 steps every rank's partitioned "
+                          "forward in lockstep (untested); use ZeRO-1/2 or DDP, or lmbda: 0 and seq_kd: false")
 
 
 @dataclass
@@ -338,7 +341,8 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
     fusion = TeacherFusion(cfg.fusion if teachers else "loss_sum", weights, correctness)
     model = KVDistillModel(
         student, aligners, fusion, _kv_loss(cfg),
-        LossWeights(cfg.ce_weight, cfg.codi_weight, cfg.logit_kd_weight, cfg.logit_kd_kind, cfg.logit_kd_temperature),
+        LossWeights(cfg.ce_weight, cfg.codi_weight, cfg.logit_kd_weight, cfg.logit_kd_kind, cfg.logit_kd_temperature,
+                    beta=cfg.beta),
         key_space=cfg.key_space, codi_dims=codi_dims, kv_segments=_kv_segments(cfg),
     )
     accuracy_records = None

@@ -204,6 +204,26 @@ class KVDistillConfig(TrainingArguments):
                                 affects="student_loss", card="signals")
     logit_kd_temperature: float = option(1.0, "Softmax temperature of logit KD.",
                                          affects="student_loss", card="signals", valid="> 0")
+    # ---- on-policy distillation (GKD; TRL's names; docs/training.md section 12)
+    beta: float = option(0.5, "Generalized JSD beta of logit_kd_kind jsd (TRL's name): 0 = forward KL(teacher || "
+                         "student), 1 = reverse KL(student || teacher), 0.5 = Jensen-Shannon.",
+                         affects="student_loss", card="signals", valid="in [0, 1]")
+    lmbda: float = option(0.0, "Share of optimizer steps on which the student samples the completions it is taught "
+                          "on (on-policy, GKD), drawn per step from a generator seeded by (seed, step); 0: the "
+                          "data's answers only. On those steps the student gets no LM loss, only the teacher "
+                          "signals, which every teacher computes on the student's text.",
+                          affects="teacher_inputs", card="training", valid="in [0, 1]")
+    temperature: float = option(0.9, "Sampling temperature of on-policy / seq_kd generation (TRL's name); the "
+                                "logit-KD loss's softmax temperature is logit_kd_temperature.",
+                                affects="teacher_inputs", card="training", valid="> 0")
+    top_p: float = option(1.0, "Nucleus-sampling top_p of on-policy / seq_kd generation (top_k is off).",
+                          affects="teacher_inputs", card="training", valid="in (0, 1]")
+    max_new_tokens: int = option(128, "Completion budget of on-policy / seq_kd generation (lowered so prompt + "
+                                 "completion fit max_length).", affects="teacher_inputs", card="training",
+                                 valid=">= 1")
+    seq_kd: bool = option(False, "Sequence-level KD (GKD's seq_kd): on the steps that are not on-policy the first "
+                          "teacher samples the completions, and the student learns them (LM loss + teacher "
+                          "signals).", affects="teacher_inputs", card="training")
     # ---- teachers
     fusion: str = option("loss_sum", f"Multi-teacher fusion: {FUSIONS}.",
                          affects="student_loss", card="alignment")
@@ -363,6 +383,7 @@ class KVDistillConfig(TrainingArguments):
         if self.logit_kd_weight > 0 and (self.teacher_control == "shuffled" or self.student_input != "full"):
             raise ConfigError("logit KD compares teacher and student on the same tokens; it cannot run with "
                               "teacher_control: shuffled or a shortened student_input (set logit_kd_weight: 0)")
+        self._check_on_policy()
         for key in ("field_map", "transfer_field_map"):
             value = getattr(self, key)
             if isinstance(value, str) and value not in FIELD_MAPS:
@@ -432,6 +453,30 @@ class KVDistillConfig(TrainingArguments):
             if self.teacher_capture or self.fusion == "correctness":
                 raise ConfigError("teacher_control: oracle runs no teacher (nothing to capture or to answer with); "
                                   "drop teacher_capture and use fusion loss_sum or learned")
+
+    def _check_on_policy(self) -> None:
+        """What on-policy / seq_kd generation cannot run with (their ranges are their `valid` rules)."""
+        if self.beta != 0.5 and self.logit_kd_kind != "jsd":
+            raise ConfigError(f"beta applies to logit_kd_kind jsd (generalized JSD), not {self.logit_kd_kind}; set "
+                              "logit_kd_kind: jsd (beta 0 = forward KL, 1 = reverse KL), or drop beta")
+        if not (self.lmbda > 0 or self.seq_kd):
+            return
+        what = "lmbda > 0" if self.lmbda > 0 else "seq_kd"
+        if not self.teacher_signal:
+            raise ConfigError(f"{what} teaches the student from its teachers on generated text; set a teacher signal "
+                              "(logit_kd_weight, kv_weight or codi_weight > 0) with at least one teacher")
+        if self.teacher_cache or self.teacher_capture:
+            raise ConfigError(f"{what}: teacher_cache / teacher_capture store teacher outputs per record, but the "
+                              "generated text changes every step; set teacher_cache: false and no teacher_capture")
+        if self.student_input != "full":
+            raise ConfigError(f"{what}: the student writes its whole completion, so student_input must be full, got "
+                              f"{self.student_input}")
+        if self.teacher_control in ("permuted", "oracle"):
+            raise ConfigError(f"{what}: teacher_control {self.teacher_control} reads per-record facts of the data's "
+                              "text, which generated text does not have; use none, untrained or shuffled")
+        if self.fsdp:
+            raise ConfigError(f"{what} generates every step, which under FSDP steps every rank's sharded forward in "
+                              "lockstep (untested); use DDP or DeepSpeed ZeRO-1/2, or lmbda: 0 and seq_kd: false")
 
     def _check_layer_map_counts(self, t: TeacherConfig) -> None:
         """Compare a layer map's layer counts with the models' configs (config.json only, no weights)."""

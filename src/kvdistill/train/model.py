@@ -28,6 +28,7 @@ class LossWeights:
     logit_kd: float = 0.0
     logit_kd_kind: str = "forward_kl"
     temperature: float = 1.0
+    beta: float = 0.5  # generalized JSD beta of logit_kd_kind jsd
 
 
 class KVDistillModel(nn.Module):
@@ -128,7 +129,8 @@ class KVDistillModel(nn.Module):
             metrics["codi"] = (codi / input_ids.shape[0]).detach()
         if w.logit_kd > 0 and teacher_logits:
             kd = sum(
-                logit_kd_sum(out.logits, t, labels, w.logit_kd_kind, w.temperature, sample_w[:, names.index(n)])
+                logit_kd_sum(out.logits, t, labels, w.logit_kd_kind, w.temperature, sample_w[:, names.index(n)],
+                             beta=w.beta)
                 for n, t in teacher_logits.items()
             )
             n_kd_local = (labels[:, 1:] != -100).sum().clamp(min=1)

@@ -28,6 +28,7 @@ from kvdistill.card import write_card
 from kvdistill.controls import oracle_cache
 from kvdistill.io import read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.models import num_layers
+from kvdistill.onpolicy import completion_batch, on_policy_step, sampling_seed, write_completions
 from kvdistill.runs import METRICS, TEACHERS_FILE, TRAIN_CONFIG
 from kvdistill.teachers import TeacherSet, derangement
 from kvdistill.train.config import ConfigError, KVDistillConfig, card_sections
@@ -150,7 +151,12 @@ class KVDistillTrainer(Trainer):
         if enable_cpu_fsdp(self.accelerator):
             self.is_fsdp_enabled = True  # Trainer read it before the plugin was put back; it wraps the model later
         check_launch(self.accelerator)
+        if (self.args.lmbda > 0 or self.args.seq_kd) and self.is_fsdp_enabled:
+            raise ConfigError("lmbda > 0 / seq_kd generate every step, which under FSDP steps every rank's sharded "
+                              "forward in lockstep (untested); launch with DDP or DeepSpeed ZeRO-1/2, or set lmbda: 0 "
+                              "and seq_kd: false")
         self.teachers = teachers
+        self._records: dict[int, dict] | None = None  # index -> record, for on-policy prompts
         self.layer_maps = layer_maps or {}
         self.oracle_width = oracle_width  # teacher_control oracle: the class code's width (controls.oracle_width)
         self._metrics: dict[str, list[float]] = defaultdict(list)
@@ -242,6 +248,46 @@ class KVDistillTrainer(Trainer):
                 self._metrics[k].append(float(v))
             self._metrics["kv_warmup"].append(warm)
         return (loss, out) if return_outputs else loss
+
+    # ------------------------------------------------------------------ on-policy (GKD)
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """Trainer's micro-batches of one optimizer step. On an on-policy step (probability `lmbda`) or with
+        `seq_kd`, each is rewritten (`written_batch`) *before* the token counts are taken, so the loss is
+        divided by the global count of the tokens it is computed on: the completions'."""
+        samples, counts = super().get_batch_samples(epoch_iterator, num_batches, device)
+        args: KVDistillConfig = self.args
+        on_policy = on_policy_step(args.seed, self.state.global_step, args.lmbda)
+        if args.lmbda > 0:
+            self._metrics["on_policy"].append(float(on_policy))
+        if not samples or not (on_policy or args.seq_kd):
+            return samples, counts
+        samples = [self.written_batch(b, m, on_policy) for m, b in enumerate(samples)]
+        return samples, self._get_num_items_in_batch(samples, device)
+
+    def _sampling_seed(self, micro_batch: int) -> int:
+        return sampling_seed(self.args.seed, self.state.global_step, self.args.process_index, micro_batch)
+
+    def written_batch(self, batch: dict, micro_batch: int, on_policy: bool) -> dict:
+        """`batch` with every answer rewritten: sampled by the student (`on_policy`: no LM loss on its own text,
+        the teacher signals only) or by the first teacher (`seq_kd`: sequence-level KD, the LM loss learns the
+        teacher's text). Every reader (student, each teacher) gets the new text in its own tokens."""
+        args: KVDistillConfig = self.args
+        if self._records is None:
+            self._records = {int(r["index"]): r for r in [*self.train_dataset, *self.data_collator.transfer]}
+        records = [self._records[int(i)] for i in batch["index"]]
+        if on_policy:
+            model, tokenizer = self.distill_model.student, self.processing_class
+        else:
+            teacher = next(iter(self.teachers))
+            model, tokenizer = teacher.model, teacher.tokenizer
+        written = write_completions(model, tokenizer, records, template=args.prompt_template,
+                                    use_chat_template=args.use_chat_template, temperature=args.temperature,
+                                    top_p=args.top_p, max_new_tokens=args.max_new_tokens, max_length=args.max_length,
+                                    seed=self._sampling_seed(micro_batch))
+        readers = {name: view.tokenizer for name, view in self.data_collator.teachers.items()}
+        labelled = batch["labelled"].cpu() & (not on_policy)
+        return completion_batch(written, self.processing_class, readers, labelled, max_length=args.max_length,
+                                template=args.prompt_template, use_chat_template=args.use_chat_template)
 
     def _step_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A generator seeded by (seed, step, rank): controls and random compression replay exactly."""

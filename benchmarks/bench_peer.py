@@ -1,0 +1,208 @@
+"""Benchmark: kvdistill side by side with TRL's GKDTrainer on the same job.
+
+The same student and teacher (one teacher sharing the student's tokenizer, logit-only distillation:
+generalized JSD with `BETA`, no LM loss, no KV term), the same records, batch, seed and sampling
+settings, both trainers built in this process and timed interleaved (`interleaved_times`):
+
+- (a) off-policy KD step: `KVDistillTrainer.training_step` (lmbda 0) vs `GKDTrainer.training_step`
+  (lmbda 0, seq_kd off) on the same records: forward of both models, the loss, backward.
+- (b) on-policy step (lmbda 1): kvdistill's `written_batch` (the student samples, every reader
+  re-tokenizes) + `training_step`, vs `GKDTrainer.training_step`, which samples inside (lmbda 1).
+  Both sample `NEW_TOKENS` tokens at temperature 1, top_k off, top_p 1 (TRL's GKD has no top_p).
+- (c) the loss of both trainers' `compute_loss` on one fixed batch (the same input_ids,
+  attention_mask, labels tensors; the same weights), which must agree to 1e-5.
+
+Where the definitions differ (reported, not hidden): TRL's GKD `temperature` is the sampling
+temperature only, its loss always uses softmax temperature 1; kvdistill's `temperature` is the
+sampling temperature too, and its loss temperature `logit_kd_temperature` T divides both logits
+and scales the sum by T^2 (Hinton et al.). At T = 1 (used here) the two losses are the same
+formula: sum of TRL's generalized JSD over completion tokens / their count. TRL's `beta` and
+kvdistill's `beta` (logit_kd_kind jsd) mean the same.
+
+Headline `ratio_vs_trl` = the larger of the (a) and (b) step-time ratios kvdistill / TRL (target
+<= 1.0). Skipped, with the reason, when `trl` is not installed (`pip install 'kvdistill[peer]'`).
+`--quick`: the tiny fixtures, 8 new tokens, 3 repeats; otherwise `bench_step.py`'s large pair's
+student and Qwen2 teacher, 64 new tokens. Batch 2, 1 torch thread.
+
+    python benchmarks/bench_peer.py [--quick]
+    kvdistill bench --only peer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvdistill.commands.bench import interleaved_times, load_benchmark, torch_threads
+from kvdistill.data import format_prompt, tokenize_example
+from kvdistill.losses import logit_kd_sum
+from kvdistill.malloc import keep_freed_memory
+from kvdistill.tiny import build_tiny_world
+from kvdistill.train.build import build_trainer
+from kvdistill.train.config import parse_config
+
+TARGET = 1.0
+BATCH = 2
+BETA = 0.5
+SEED = 1234
+LOSS_ATOL = 1e-5
+SKIP = "trl is not installed (pip install 'kvdistill[peer]')"
+
+
+def kvdistill_trainer(student: Path, teacher: Path, data: Path, out: Path, lmbda: float, new_tokens: int,
+                      use_cpu: bool):
+    argv = {
+        "student": student, "teachers": f"[{{path: {teacher}}}]", "data": data, "output_dir": out,
+        "max_samples": 32, "max_length": 256, "ce_weight": 0.0, "allow_kv_only": "true", "kv_weight": 0.0,
+        "logit_kd_weight": 1.0, "logit_kd_kind": "jsd", "beta": BETA, "logit_kd_temperature": 1.0,
+        "lmbda": lmbda, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": new_tokens, "seed": SEED,
+        "per_device_train_batch_size": BATCH, "gradient_accumulation_steps": 1, "report_to": "none",
+        "use_cpu": str(use_cpu).lower(), "disable_tqdm": "true", "max_grad_norm": 0.0,
+    }
+    return build_trainer(parse_config([x for k, v in argv.items() for x in (f"--{k}", str(v))]))
+
+
+def trl_trainer(student: Path, teacher: Path, examples: list[dict], out: Path, lmbda: float, new_tokens: int,
+                use_cpu: bool, tokenizer: Any):
+    import datasets
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    logging.getLogger("trl").setLevel(logging.ERROR)  # its "use DistillationTrainer" advice at lmbda 1
+    args = GKDConfig(output_dir=str(out), per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
+                     lmbda=lmbda, beta=BETA, temperature=1.0, max_new_tokens=new_tokens, seq_kd=False,
+                     max_length=256, seed=SEED, use_cpu=use_cpu, report_to="none", disable_tqdm=True,
+                     max_grad_norm=0.0, disable_dropout=True)
+    return GKDTrainer(model=AutoModelForCausalLM.from_pretrained(student),
+                      teacher_model=AutoModelForCausalLM.from_pretrained(teacher), args=args,
+                      train_dataset=datasets.Dataset.from_list(examples), processing_class=tokenizer)
+
+
+def trl_examples(tokenizer: Any, records: list[dict], template: str) -> list[dict]:
+    """TRL's pre-tokenized example format, holding exactly kvdistill's tokens for each record."""
+    out = []
+    for r in records:
+        f = tokenize_example(tokenizer, r, 256, template)
+        ids = f["input_ids"].tolist()
+        out.append({"prompt": format_prompt(r["question"], template), "input_ids": ids, "attention_mask": [1] * len(ids),
+                    "completion_mask": (f["labels"] != -100).long().tolist()})
+    return out
+
+
+def bench_pair(case: str, student: Path, teacher: Path, data: Path, root: Path, device: torch.device,
+               new_tokens: int, warmup: int, repeats: int) -> dict[str, Any]:
+    cpu = device.type == "cpu"
+    ours = {lm: kvdistill_trainer(student, teacher, data, root / f"kvd_{lm}", lm, new_tokens, cpu) for lm in (0.0, 1.0)}
+    tok = ours[0.0].processing_class
+    records = [ours[0.0].train_dataset[i] for i in range(BATCH)]
+    template = ours[0.0].args.prompt_template
+    examples = trl_examples(tok, records, template)
+    peers = {lm: trl_trainer(student, teacher, examples, root / f"trl_{lm}", lm, new_tokens, cpu, tok)
+             for lm in (0.0, 1.0)}
+    gold = {lm: t._prepare_inputs(t.data_collator(records)) for lm, t in ours.items()}
+    peer_batch = {lm: t._prepare_inputs(t.data_collator(examples)) for lm, t in peers.items()}
+
+    def ours_step(lm: float) -> None:
+        t = ours[lm]
+        batch = t._prepare_inputs(t.written_batch(gold[lm], 0, True)) if lm else gold[lm]
+        t.model.train()
+        t.training_step(t.model, batch, t._get_num_items_in_batch([batch], device))
+        t.model.zero_grad(set_to_none=True)
+        t._metrics.clear()
+
+    def peer_step(lm: float) -> None:
+        t = peers[lm]
+        t.training_step(t.model, peer_batch[lm], t._get_num_items_in_batch([peer_batch[lm]], device))
+        t.model.zero_grad(set_to_none=True)
+
+    fns = {"kvdistill_off": lambda: ours_step(0.0), "trl_off": lambda: peer_step(0.0),
+           "kvdistill_on": lambda: ours_step(1.0), "trl_on": lambda: peer_step(1.0)}
+    times = interleaved_times(fns, repeats, warmup=warmup, device=device)
+
+    # (c) one fixed batch: the same tensors into both compute_loss, the same weights (training_step above
+    # leaves them untouched: no optimizer step); then both loss formulas on the very same logits, at loss
+    # temperature 1 and 2 (kvdistill's T^2 factor divided out)
+    fixed, t = gold[0.0], ours[0.0]
+    with torch.no_grad():
+        loss_ours = float(t.compute_loss(t.model, fixed))
+        plain = {k: fixed[k] for k in ("input_ids", "attention_mask", "labels")}
+        loss_peer = float(peers[0.0].compute_loss(peers[0.0].model, plain))
+        student_logits = t.distill_model.student(**{k: plain[k] for k in ("input_ids", "attention_mask")}).logits
+        teacher_logits = next(iter(t.teachers)).model(**{k: plain[k] for k in ("input_ids", "attention_mask")}).logits
+        n = (plain["labels"][:, 1:] != -100).sum()
+        formula = {}
+        for temp in (1.0, 2.0):
+            ours_f = logit_kd_sum(student_logits, teacher_logits, plain["labels"], "jsd", temp, beta=BETA) / n / temp**2
+            peer_f = type(peers[0.0]).generalized_jsd_loss(student_logits[:, :-1], teacher_logits[:, :-1],
+                                                           plain["labels"][:, 1:], beta=BETA, temperature=temp)
+            formula[temp] = abs(float(ours_f) - float(peer_f))
+    return {
+        "case": case,
+        "kvdistill_off_ms": times.ms("kvdistill_off"), "trl_off_ms": times.ms("trl_off"),
+        "ratio_vs_trl_offpolicy": times.ratio("kvdistill_off", "trl_off"),
+        "kvdistill_on_ms": times.ms("kvdistill_on"), "trl_on_ms": times.ms("trl_on"),
+        "ratio_vs_trl_onpolicy": times.ratio("kvdistill_on", "trl_on"),
+        "loss_kvdistill": loss_ours, "loss_trl": loss_peer, "loss_abs_diff": abs(loss_ours - loss_peer),
+        "formula_abs_diff_t1": formula[1.0], "formula_abs_diff_t2_over_t2": formula[2.0],
+    }
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """kvdistill vs TRL's GKDTrainer: step times (off-/on-policy) and the loss on one batch."""
+    head = {"name": "peer", "title": "kvdistill vs TRL (GKDTrainer) on the same job"}
+    if find_spec("trl") is None:
+        return {**head, "skipped": SKIP, "results": []}
+    import trl
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    warmup, repeats, new_tokens = (1, 3, 8) if quick else (2, 9, 64)
+    with torch_threads(1), tempfile.TemporaryDirectory(prefix="kvdistill_bench_peer_") as tmp:
+        root = Path(tmp)
+        world = build_tiny_world(root / "tiny", n_train=64, n_test=8)
+        if quick:
+            student, teacher, case = world.models["student"], world.models["qwen2_teacher"], "tiny fixtures"
+        else:
+            step_bench = load_benchmark(Path(__file__).with_name("bench_step.py"))
+            large = step_bench.make_pair(root / "large", world.tokenizers["bpe"], step_bench.LARGE)
+            student, teacher, case = large["student"], large["teacher_qwen2"], "large pair, Qwen2 teacher"
+        row = bench_pair(case, student, teacher, world.data_dir, root, device, new_tokens, warmup, repeats)
+    ratio = max(row["ratio_vs_trl_offpolicy"], row["ratio_vs_trl_onpolicy"])
+    return {
+        **head,
+        "description": f"Same student, teacher (shared tokenizer), records, batch {BATCH}, seed; logit-only "
+        f"generalized JSD (beta {BETA}, loss temperature 1, no LM loss); (a) off-policy and (b) on-policy "
+        f"(lmbda 1, {new_tokens} sampled tokens, temperature 1) `training_step` times, median of {repeats} "
+        f"interleaved repeats after {warmup} warm-up, 1 torch thread, {device.type}; (c) both `compute_loss` "
+        f"on the same tensors (must agree to {LOSS_ATOL}), and both loss formulas on the same logits (formula_*: "
+        f"at loss temperature 1, and at 2 with kvdistill's T^2 divided out). trl {trl.__version__}. Definitions "
+        "differ only in the loss temperature (TRL's GKD trainer: always 1; kvdistill: logit_kd_temperature T "
+        "with a T^2 factor).",
+        "results": [row],
+        "ratio": ratio,
+        "target": TARGET,
+        "passed": ratio <= TARGET,
+        "ratio_vs_trl": ratio,
+        "ratio_vs_trl_offpolicy": row["ratio_vs_trl_offpolicy"],
+        "ratio_vs_trl_onpolicy": row["ratio_vs_trl_onpolicy"],
+        "losses_equal": max(row["loss_abs_diff"], row["formula_abs_diff_t1"]) <= LOSS_ATOL,
+        "trl_version": trl.__version__,
+        "device": device.type,
+        "torch_threads": 1,
+        "quick": quick,
+    }
+
+
+if __name__ == "__main__":
+    keep_freed_memory()  # as every `kvdistill` process does (`kvdistill bench` runs this module too)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny fixtures, 8 new tokens, 3 repeats")
+    json.dump(run(quick=parser.parse_args().quick), sys.stdout, indent=1)
+    print()
