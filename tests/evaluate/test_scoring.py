@@ -177,10 +177,11 @@ def test_answer_context_is_the_training_format():
     assert answer_context(p, "") == p + "\n#### "
 
 
-def test_answer_nll_equals_hand_summed_log_probs(tiny_world, tok):
-    """One padded batch of three lengths == per text, unpadded: -sum log p(answer token | prefix) from the
-    model's own logits, the answer tokens found by growing the decoded prefix past the context."""
-    model = load_model(tiny_world.models["qwen2_teacher"], dtype="fp32")
+@pytest.mark.parametrize("name", ["qwen2_teacher", "gpt2"])  # RoPE and learned absolute positions
+def test_answer_nll_equals_hand_summed_log_probs(tiny_world, tok, name):
+    """One left-padded batch of four lengths == per text, unpadded: -sum log p(answer token | prefix) from
+    the model's own logits, the answer tokens found by growing the decoded prefix past the context."""
+    model = load_model(tiny_world.models[name], dtype="fp32")
     contexts = ["Question: 2 + 2?\nAnswer:\n#### ", "Question: Tom has 12 apples and eats 5.\nAnswer: 12 - 5 = 7\n#### ",
                 "Q: x\n#### ", "Q: fruit?\n#### "]
     answers = ["4", "7", "1,250", "apples"]  # " a" is one token across the boundary: it counts

@@ -279,7 +279,9 @@ def gold_answer_nll(
 
     The pair is tokenised as one text (so `"#### " + "42"` gives the tokens the model would
     write); a token is an answer token when its last character lies in the answer. A text
-    longer than the model's positions keeps its last tokens.
+    longer than the model's positions keeps its last tokens. Rows are left-padded (explicit
+    position ids), so every answer ends in the last column and only the last `k + 1` positions
+    go through the LM head (`logits_to_keep`): `[B, k + 1, V]` logits, not `[B, T, V]`.
 
     Returns:
         `[N]` pairs `(nll, tokens)`: nats summed over the answer tokens, and their count.
@@ -301,15 +303,18 @@ def gold_answer_nll(
             ids, is_answer = ids[-limit:] if limit else ids, is_answer[-limit:] if limit else is_answer
             rows.append(torch.tensor(ids))
             targets.append(torch.where(torch.tensor(is_answer, dtype=torch.bool), torch.tensor(ids), -100))
-        input_ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id)  # [B, T]
-        labels = torch.nn.utils.rnn.pad_sequence(targets, batch_first=True, padding_value=-100)  # [B, T]
-        mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows],
-                                               batch_first=True)  # [B, T], right padding
-        logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits.float()  # [B, T, V]
-        labels = labels.to(device)[:, 1:]  # [B, T-1]: token t+1 is predicted at t
+        pad = dict(batch_first=True, padding_side="left")
+        input_ids = torch.nn.utils.rnn.pad_sequence(rows, padding_value=pad_id, **pad)  # [B, T]
+        labels = torch.nn.utils.rnn.pad_sequence(targets, padding_value=-100, **pad)  # [B, T]
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows], **pad)  # [B, T]
+        positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, T]: each text starts at position 0
+        keep = int((labels != -100).sum(1).max()) + 1  # the answer tokens and the position before them
+        logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                       position_ids=positions.to(device), logits_to_keep=keep).logits.float()  # [B, keep, V]
+        labels = labels.to(device)[:, -keep + 1 :]  # [B, keep-1]: token t+1 is predicted at t
         nll = torch.nn.functional.cross_entropy(
             logits[:, :-1].transpose(1, 2), labels, ignore_index=-100, reduction="none"
-        )  # [B, T-1], 0 where ignored
+        )  # [B, keep-1], 0 where ignored
         out += [(float(v), int(n)) for v, n in zip(nll.sum(1), (labels != -100).sum(1))]
     return out
 
