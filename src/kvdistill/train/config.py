@@ -258,7 +258,8 @@ class KVDistillConfig(TrainingArguments):
                                   "control). A gain must beat the controls to count as knowledge transfer.",
                                   affects="teacher_outputs", card="alignment")
     oracle_field: str = option("class", "teacher_control oracle: the per-token class field of the data (token_fields): "
-                               "tokens of one class relate, others do not.", affects="teacher_outputs", card="alignment")
+                               "tokens of one class relate, others do not (never captured: no teacher runs).",
+                               affects="student_loss", card="alignment")
     permute: str | None = option(None, "teacher_control permuted: numbers (every integer in permute_vocab) | names "
                                  "(every whole word in permute_vocab), mapped through one bijection seeded by `seed`.",
                                  affects="teacher_inputs", card="alignment")
