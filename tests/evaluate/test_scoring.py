@@ -225,3 +225,22 @@ def test_answer_nll_refuses_a_slow_tokenizer_before_generating(tok, records):
     model = FakeModel(tok, lambda q: pytest.fail("generated before the refusal"))
     with pytest.raises(DataError, match="slow tokenizer: the answer NLL needs character offsets"):
         evaluate_model(model, Slow(), records[:1], answer_nll=True, perplexity=False, progress=False)
+
+
+def test_answer_nll_of_a_model_without_logits_to_keep(tiny_world, tok):
+    """A forward without `logits_to_keep` (older or remote-code models) gets all logits, same numbers."""
+    inner = load_model(tiny_world.models["gpt2"], dtype="fp32")
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids, attention_mask, position_ids):
+            return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+    contexts, answers = ["Q: 2 + 2?\n#### ", "Question: Tom has 12 apples.\nAnswer: 12\n#### "], ["4", "1,250"]
+    got = gold_answer_nll(Plain(), tok, contexts, answers)
+    want = gold_answer_nll(inner, tok, contexts, answers)
+    assert [n for _, n in got] == [n for _, n in want]
+    assert [v for v, _ in got] == pytest.approx([v for v, _ in want], rel=1e-5)

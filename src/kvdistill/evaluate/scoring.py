@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import time
@@ -291,6 +292,7 @@ def gold_answer_nll(
     device = model_device(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     limit = max_positions(model) if hasattr(model, "config") else None
+    cut = "logits_to_keep" in inspect.signature(model.forward).parameters  # older/remote-code models: all logits
     out: list[tuple[float, int]] = []
     for start in range(0, len(contexts), batch_size):
         ctx, ans = contexts[start : start + batch_size], answers[start : start + batch_size]
@@ -309,8 +311,9 @@ def gold_answer_nll(
         mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows], **pad)  # [B, T]
         positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, T]: each text starts at position 0
         keep = int((labels != -100).sum(1).max()) + 1  # the answer tokens and the position before them
+        tail = {"logits_to_keep": keep} if cut else {}
         logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                       position_ids=positions.to(device), logits_to_keep=keep).logits.float()  # [B, keep, V]
+                       position_ids=positions.to(device), **tail).logits[:, -keep:].float()  # [B, keep, V]
         labels = labels.to(device)[:, -keep + 1 :]  # [B, keep-1]: token t+1 is predicted at t
         nll = torch.nn.functional.cross_entropy(
             logits[:, :-1].transpose(1, 2), labels, ignore_index=-100, reduction="none"
