@@ -14,9 +14,11 @@ The p*p ordered pairs are split once per seed: the student's labelled pairs (`la
 table), the teachers' pairs (`teacher_fraction`, a superset) and the rest (the teachers' held-out
 gate). The student's dev and test ask disjoint sets of pairs it has no label for.
 
-Per-token field (`kvdistill.fields`), character spans of the question: `number`, the value of every
-number (operands, results, the asked operands): the probe's target, the oracle's geometry (magnitude
-or Fourier Gram) and the row mask of number tokens. Deterministic in the seed.
+Per-token fields (`kvdistill.fields`), character spans of the question, on every number (operands,
+results, the asked operands):
+    number   its value (the probe's target, the oracle's geometry: magnitude or Fourier Gram)
+    numeral  1 (the row mask of number tokens: `field:` rows take non-zero tokens, and 0 is a number)
+Deterministic in the seed.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def make_sequence(query: Pair, context: list[Pair], *, p: int, op: str) -> dict:
     sym, fn = OPS[op]
 
     def number(v: int) -> Piece:
-        return str(v), {"number": v}
+        return str(v), {"number": v, "numeral": 1}
 
     pieces: list[Piece] = []
     for a, b in context:
