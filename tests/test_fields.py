@@ -67,3 +67,14 @@ def test_a_bad_span_is_a_data_error_naming_the_field(tmp_path):
     path.write_text(json.dumps({**REC, "token_fields": {"value": [[5, 3, 1]]}}) + "\n")
     with pytest.raises(DataError, match=r"token_fields\['value'\] span \[5, 3, 1\]"):
         load_records(path)
+
+
+def test_a_batch_mixing_records_with_and_without_fields_pads_the_union(tiny_world):
+    tok = load_tokenizer(tiny_world.tokenizers["bpe"])
+    plain = {"question": "Ann has 3 pens. How many?", "answer": "#### 3"}
+    for records in ([plain, {**REC, "token_fields": freeze(REC["token_fields"])}],
+                    [{**REC, "token_fields": freeze(REC["token_fields"])}, plain]):
+        fields = DistillCollator(tok)(records)["token_fields"]
+        without = 0 if records[0] is plain else 1
+        assert set(fields) == {"value", "chain"}
+        assert torch.all(fields["value"][without] == IGNORE) and (fields["value"][1 - without] == 12).any()

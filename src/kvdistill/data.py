@@ -310,7 +310,9 @@ def tokenize_example(
 
     Returns:
         dict of 1-D tensors `[T]`: `input_ids`, `attention_mask`, `labels` (prompt = -100, so the
-        LM loss sees only reasoning + answer), `segment_ids` (0 prompt, 1 reasoning, 2 answer), and
+        LM loss sees only reasoning + answer), `segment_ids` (0 prompt, 1 reasoning, 2 answer), `char_ends`
+        (each token's last character in the formatted text, -1 for specials: cross-vocab logit KD pairs two
+        tokenizations' positions by it), and
         `field:<name>` for every per-token field the record carries (`fields.py`; `IGNORE` elsewhere).
     """
     if not getattr(tokenizer, "is_fast", False):
@@ -347,6 +349,7 @@ def tokenize_example(
         "attention_mask": torch.ones_like(input_ids),
         "labels": labels,
         "segment_ids": seg,
+        "char_ends": torch.cat([ends, torch.full((len(ids) - len(ends),), -1)])[:max_length],  # + the EOS
     }
     if record.get(token_fields.FIELD_KEY):
         try:
@@ -362,15 +365,18 @@ def tokenize_example(
 def pad_batch(features: Sequence[Mapping[str, Tensor]], pad_id: int, side: str = "right") -> dict[str, Tensor]:
     """Pad 1-D tensors to the longest in the batch: `[T]` each -> `[B, T_max]`."""
     T = max(len(f["input_ids"]) for f in features)
-    fill = {"input_ids": pad_id, "attention_mask": 0, "labels": -100, "segment_ids": PAD,
-            **{k: token_fields.IGNORE for k in features[0] if k.startswith("field:")}}
+    # a per-token field is the union over the batch: a record without it has no value at any token
+    field_keys = sorted({k for f in features for k in f if k.startswith("field:")})
+    fill = {"input_ids": pad_id, "attention_mask": 0, "labels": -100, "segment_ids": PAD, "char_ends": -1,
+            **dict.fromkeys(field_keys, token_fields.IGNORE)}
     out: dict[str, Tensor] = {}
     for key, value in fill.items():
-        if key not in features[0]:
+        if key not in features[0] and key not in field_keys:
             continue
         rows = []
         for f in features:
-            x, n = f[key], T - len(f[key])
+            x = f.get(key, torch.full_like(f["input_ids"], value))
+            n = T - len(x)
             pad = torch.full((n,), value, dtype=x.dtype)
             rows.append(torch.cat([x, pad]) if side == "right" else torch.cat([pad, x]))
         out[key] = torch.stack(rows)  # [B, T]
