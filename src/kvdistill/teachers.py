@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import zlib
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 
 from kvdistill.cache import PAD, KeySpace, KVCache, forward_with_kv
 from kvdistill.config import ConfigError
+from kvdistill.losses import vocab_intersection
 from kvdistill.models import config_hash, load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class Teacher:
     tokenizer: Any
     weight: float = 1.0
     shares_student_tokens: bool = False  # same tokenizer and text as the student: reuse its input_ids
+    logit_kd: str = "off"  # how its logits teach the student (`resolve_logit_kd`): same_vocab | cross_vocab | off
 
     @property
     def config_hash(self) -> str:
@@ -280,3 +283,51 @@ def is_captured(teacher: Teacher) -> bool:
 
 def _is_quantized(model: nn.Module) -> bool:
     return bool(getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False))
+
+
+LOGIT_KD_MODES = ("auto", "same_vocab", "cross_vocab", "off")
+
+
+def resolve_logit_kd(mode: str, name: str, same_tokens: bool, same_text: bool) -> tuple[str, str]:
+    """A teacher's logit-KD mode and why: `auto` is same_vocab when it reads the student's very tokens,
+    cross_vocab when it reads the same text in other tokens, off when it reads another text (its own
+    rationale, a permuted or shortened one): no position of it predicts what the student's does."""
+    if mode == "off":
+        return "off", "logit_kd: off"
+    if not same_text:
+        if mode != "auto":
+            raise ConfigError(f"teacher {name}: logit_kd {mode} compares next-token distributions on the same text, "
+                              "but this teacher reads another (its rationale_field, a permuted or shortened text); "
+                              "set its logit_kd: off")
+        return "off", "it reads another text than the student"
+    if mode == "same_vocab" and not same_tokens:
+        raise ConfigError(f"teacher {name}: logit_kd same_vocab needs the student's tokenizer, and this teacher's "
+                          "differs; set its logit_kd: cross_vocab (or auto)")
+    if mode == "auto":
+        mode = "same_vocab" if same_tokens else "cross_vocab"
+        return mode, "auto: " + ("the student's tokenizer" if same_tokens else "another tokenizer")
+    return mode, f"logit_kd: {mode}"
+
+
+_VOCAB_MAPS: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
+
+
+def vocab_map(student_tokenizer: Any, teacher_tokenizer: Any) -> tuple[Tensor, Tensor]:
+    """`(student_ids [K], teacher_ids [K])`: the tokens whose decoded strings are equal
+    (`losses.vocab_intersection`), among ids below each tokenizer's real size (`len(tokenizer)`: embedding
+    rows past it are padding). Decoding a 150k vocabulary takes seconds, so each pair of vocabularies is
+    mapped once per process, keyed by both vocabularies' hashes."""
+    key = (_vocab_hash(student_tokenizer), _vocab_hash(teacher_tokenizer))
+    if key not in _VOCAB_MAPS:
+        _VOCAB_MAPS[key] = vocab_intersection(_decoded(student_tokenizer), _decoded(teacher_tokenizer))
+    return _VOCAB_MAPS[key]
+
+
+def _vocab_hash(tokenizer: Any) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(f"{type(tokenizer).__name__}:{vocab}".encode()).hexdigest()[:16]
+
+
+def _decoded(tokenizer: Any) -> list[str]:
+    """Every id's text as the tokenizer decodes it alone (`[len(tokenizer)]`)."""
+    return tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)

@@ -110,8 +110,8 @@ def test_bf16_hidden_gets_a_bf16_gradient_close_to_fp32():
 def test_resolve_chunk_tokens():
     assert resolve_chunk_tokens(0, 10**6, 10**6) == 0
     assert resolve_chunk_tokens(256, 10, 10) == 256
-    assert resolve_chunk_tokens(-1, 2048, 151_936) == AUTO_CHUNK_TOKENS  # Qwen2.5-0.5B head: chunked
-    assert resolve_chunk_tokens(-1, 64, 1000) == 0  # tiny: one pass
+    assert resolve_chunk_tokens(None, 2048, 151_936) == AUTO_CHUNK_TOKENS  # Qwen2.5-0.5B head: chunked
+    assert resolve_chunk_tokens(None, 64, 1000) == 0  # tiny: one pass
 
 
 def test_per_token_ce_weights():

@@ -23,17 +23,17 @@ from torch import Tensor
 
 from kvdistill.losses.logits import generalized_jsd, kind_beta
 
-AUTO_CHUNK_TOKENS = 1024  # the chunk of `logit_chunk_tokens: -1`: 1,024 × 151,936 fp32 = 0.6 GB per copy
-AUTO_MIN_LOGITS = 2**26  # `-1` chunks only above 64M logits (256 MB in fp32): below, one pass is cheaper
+AUTO_CHUNK_TOKENS = 1024  # the auto chunk (`logit_chunk_tokens` unset): 1,024 × 151,936 fp32 = 0.6 GB per copy
+AUTO_MIN_LOGITS = 2**26  # auto chunks only above 64M logits (256 MB in fp32): below, one pass is cheaper
 
 # a teacher: (logits [N, V_t], None, None) or (hidden [N, d_t], head weight [V_t, d_t], head bias [V_t] | None)
 TeacherHead = tuple[Tensor, Tensor | None, Tensor | None]
 
 
-def resolve_chunk_tokens(option: int, n_tokens: int, vocab: int) -> int:
-    """Tokens per chunk for the `logit_chunk_tokens` option: -1 auto (`AUTO_CHUNK_TOKENS` when
+def resolve_chunk_tokens(option: int | None, n_tokens: int, vocab: int) -> int:
+    """Tokens per chunk for the `logit_chunk_tokens` option: None auto (`AUTO_CHUNK_TOKENS` when
     `n_tokens × vocab > AUTO_MIN_LOGITS`, else 0), 0 unchunked, n > 0 chunks of n tokens."""
-    if option < 0:
+    if option is None:
         return AUTO_CHUNK_TOKENS if n_tokens * vocab > AUTO_MIN_LOGITS else 0
     return option
 

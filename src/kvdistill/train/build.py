@@ -45,10 +45,10 @@ from kvdistill.models import (
     max_positions,
     num_layers,
 )
-from kvdistill.teachers import Teacher, TeacherSet, load_teacher
+from kvdistill.teachers import Teacher, TeacherSet, load_teacher, resolve_logit_kd, vocab_map
 from kvdistill.train.config import KVDistillConfig, TeacherConfig, option_names
 from kvdistill.train.distributed import gathered
-from kvdistill.train.model import KVDistillModel, LossWeights
+from kvdistill.train.model import KVDistillModel, LogitTeacher, LossWeights
 from kvdistill.train.trainer import KVDistillTrainer, oracle_targets
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,17 @@ def make_aligner(cfg: KVDistillConfig, spec: TeacherConfig, layer_map: torch.Ten
         init=spec.projector_init or cfg.projector_init, share_layers=cfg.share_layers, direction=cfg.direction,
         trainable=cfg.projector_trainable,
     )
+
+
+def _logit_teachers(tokenizer: Any, teachers: list[Teacher]) -> dict[str, LogitTeacher]:
+    """Each logit-giving teacher's mode; a cross_vocab one with the tokens both vocabularies share."""
+    out = {}
+    for t in teachers:
+        if t.logit_kd == "cross_vocab":
+            out[t.name] = LogitTeacher("cross_vocab", *vocab_map(tokenizer, t.tokenizer), len(t.tokenizer))
+        elif t.logit_kd == "same_vocab":
+            out[t.name] = LogitTeacher("same_vocab")
+    return out
 
 
 def _kv_segments(cfg: KVDistillConfig) -> tuple[int, ...]:
@@ -210,8 +221,14 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
         t.name: TeacherView(t.tokenizer, s.rationale_field, rewrite)
         for t, s in zip(teachers, specs) if not t.shares_student_tokens
     }
+    for t, s in zip(teachers, specs):  # how each teacher's logits teach (resolved at any weight: captures read it)
+        same_text = s.rationale_field is None and cfg.student_input == "full" and cfg.teacher_control != "permuted"
+        t.logit_kd, why = resolve_logit_kd(s.logit_kd, t.name, t.shares_student_tokens, same_text)
+        if cfg.logit_kd_weight > 0:
+            logger.info("teacher %s: logit KD %s (%s)", t.name, t.logit_kd, why)
     transfer = []
-    if teachers and cfg.transfer_data:  # without a teacher signal a transfer record teaches nothing
+    # without a teacher signal or transfer_lm_weight a transfer record teaches nothing
+    if (teachers or cfg.transfer_lm_weight > 0) and cfg.transfer_data:
         transfer = load_records(cfg.transfer_data, cfg.transfer_split, cfg.transfer_field_map or cfg.field_map,
                                 cfg.transfer_max_samples, extra_fields=extra)
         for i, r in enumerate(transfer):
@@ -224,7 +241,7 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
 def cache_key(cfg: KVDistillConfig, teacher: Teacher) -> tuple:
     """The teacher-cache key of what training reads from `teacher`: KV, hidden states for CODI,
     logits for logit KD (only from teachers that share the student's tokens)."""
-    return TeacherSet.cache_key(teacher.name, *cfg.teacher_outputs(teacher.shares_student_tokens))
+    return TeacherSet.cache_key(teacher.name, *cfg.teacher_outputs(teacher.logit_kd))
 
 
 def teacher_batches(run: RunInputs, batch_size: int):
@@ -342,8 +359,9 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
     model = KVDistillModel(
         student, aligners, fusion, _kv_loss(cfg),
         LossWeights(cfg.ce_weight, cfg.codi_weight, cfg.logit_kd_weight, cfg.logit_kd_kind, cfg.logit_kd_temperature,
-                    beta=cfg.beta),
+                    transfer_lm=cfg.transfer_lm_weight, chunk_tokens=cfg.logit_chunk_tokens, beta=cfg.beta),
         key_space=cfg.key_space, codi_dims=codi_dims, kv_segments=_kv_segments(cfg),
+        logit_teachers=_logit_teachers(tokenizer, teachers), vocab_size=len(tokenizer),
     )
     accuracy_records = None
     if cfg.accuracy_eval_steps > 0:

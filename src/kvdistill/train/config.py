@@ -28,6 +28,7 @@ from kvdistill.controls import TextPermutation
 from kvdistill.data import DEFAULT_TEMPLATE, FIELD_MAPS, parse_student_input
 from kvdistill.fusion import FUSIONS
 from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
+from kvdistill.teachers import LOGIT_KD_MODES
 
 # the config's names for the layer map: "cka" reads each teacher's JSON (the aligner's "json" kind)
 LAYER_MAPS = ("proportional", "last_k", "cka")
@@ -70,6 +71,11 @@ class TeacherConfig:
                                              affects="student_loss", valid="in [0, 1)")
     projector_init: str | None = option(None, "Projector init (default: the run's `projector_init`).",
                                         affects="student_loss")
+    logit_kd: str = option("auto", "Logit KD from this teacher (with logit_kd_weight > 0): same_vocab (its tokenizer "
+                           "is the student's), cross_vocab (another tokenizer: shared boundaries and tokens, "
+                           "docs/training.md), off; auto: same_vocab or cross_vocab by its tokenizer, off when it "
+                           "reads another text (rationale_field, permuted). Logged per teacher.",
+                           affects="teacher_outputs")
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -79,6 +85,9 @@ class TeacherConfig:
         check_ranges(self, where=f"teacher {self.name}: ")
         if self.quantization not in (None, "4bit", "8bit"):
             raise ConfigError(f"teacher {self.name}: quantization must be null, 4bit or 8bit")
+        if self.logit_kd is False:  # YAML reads a bare `off` as false
+            self.logit_kd = "off"
+        check_choice(f"teacher {self.name}: logit_kd", self.logit_kd, LOGIT_KD_MODES)
 
 
 @dataclass
@@ -198,12 +207,21 @@ class KVDistillConfig(TrainingArguments):
                                  affects="student_loss")
     codi_weight: float = option(0.0, "Weight of the CODI hidden-state loss at the answer marker.",
                                 affects="teacher_signal", card="signals", valid=">= 0")
-    logit_kd_weight: float = option(0.0, "Weight of logit KD (only for teachers sharing the student's vocabulary).",
+    logit_kd_weight: float = option(0.0, "Weight of logit KD (from each teacher as its `logit_kd` says).",
                                     affects="teacher_signal", card="signals", valid=">= 0")
     logit_kd_kind: str = option("forward_kl", f"Logit KD divergence: {LOGIT_KD}.",
                                 affects="student_loss", card="signals")
     logit_kd_temperature: float = option(1.0, "Softmax temperature of logit KD.",
                                          affects="student_loss", card="signals", valid="> 0")
+    logit_chunk_tokens: int | None = option(None, "CE and same-vocab logit KD from the student's final hidden "
+                                            "states, this many tokens at a time (never the B×T×V logits; "
+                                            "losses/chunked.py); 0: off (the model's logits); unset: 1,024-token "
+                                            "chunks when tokens × vocab > 2^26, else off.",
+                                            affects="student_loss", valid=">= 0")
+    transfer_lm_weight: float = option(0.0, "Weight of the student's LM loss on transfer records (sequence-level KD: "
+                                       "learn the text a teacher wrote, e.g. by `kvdistill generate`); 0: transfer "
+                                       "records teach through teacher signals only.",
+                                       affects="student_loss", card="signals", valid=">= 0")
     # ---- on-policy distillation (GKD; TRL's names; docs/training.md section 12)
     beta: float = option(0.5, "Generalized JSD beta of logit_kd_kind jsd (TRL's name): 0 = forward KL(teacher || "
                          "student), 1 = reverse KL(student || teacher), 0.5 = Jensen-Shannon.",
@@ -391,6 +409,9 @@ class KVDistillConfig(TrainingArguments):
                 raise ConfigError(f"{key} {value!r} is not a known name {sorted(FIELD_MAPS)}; give a mapping "
                                   "{question: <column>, answer: <column>}")
         self.transfer_batch_size = self.transfer_batch_size or self.per_device_train_batch_size
+        if self.transfer_lm_weight > 0 and not self.transfer_data:
+            raise ConfigError("transfer_lm_weight > 0 learns the text of a transfer set; set transfer_data (e.g. "
+                              "written by `kvdistill generate`) or transfer_lm_weight: 0")
         if self.transfer_data and self.fusion == "correctness":
             raise ConfigError("fusion: correctness weighs teachers by their answers to the labelled records; the "
                               "transfer set has no gold answers: use fusion loss_sum or learned with transfer_data")
@@ -509,10 +530,10 @@ class KVDistillConfig(TrainingArguments):
         """The teachers this run reads: all of them under a teacher signal, none without one."""
         return self.teacher_configs if self.teacher_signal else []
 
-    def teacher_outputs(self, shares_student_tokens: bool) -> tuple[str, bool, bool]:
+    def teacher_outputs(self, logit_kd: str) -> tuple[str, bool, bool]:
         """What training reads from a teacher: `(key_space, hidden states?, logits?)`. Hidden states for
-        CODI; logits for logit KD, only from a teacher that shares the student's tokens."""
-        return self.key_space, self.codi_weight > 0, self.logit_kd_weight > 0 and shares_student_tokens
+        CODI; logits for logit KD, from a teacher whose resolved `logit_kd` mode (`Teacher.logit_kd`) is not off."""
+        return self.key_space, self.codi_weight > 0, self.logit_kd_weight > 0 and logit_kd != "off"
 
     def to_yaml_dict(self) -> dict:
         """The resolved config as plain YAML-able data (enums as strings, teachers as mappings)."""

@@ -11,12 +11,23 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvdistill.align.aligner import KVAligner
 from kvdistill.cache import PAD, KeySpace, KVCache, forward_with_kv
 from kvdistill.fusion import TeacherFusion, fuse_kv
-from kvdistill.losses import aligned_kv_loss, answer_position, codi_sum, logit_kd_sum, token_ce_sum
+from kvdistill.losses import (
+    aligned_kv_loss,
+    answer_position,
+    chunked_head_loss,
+    codi_sum,
+    cross_vocab_kd_sum,
+    logit_kd_sum,
+    resolve_chunk_tokens,
+    shared_boundaries,
+    token_ce_sum,
+)
 
 
 @dataclass
@@ -28,7 +39,20 @@ class LossWeights:
     logit_kd: float = 0.0
     logit_kd_kind: str = "forward_kl"
     temperature: float = 1.0
+    transfer_lm: float = 0.0  # LM loss on transfer records (sequence-level KD)
+    chunk_tokens: int | None = 0  # CE + same-vocab KD from hidden states in chunks (`resolve_chunk_tokens`); 0: off
     beta: float = 0.5  # generalized JSD beta of logit_kd_kind jsd
+
+
+@dataclass
+class LogitTeacher:
+    """How one teacher's logits teach the student (`teachers.resolve_logit_kd`): `same_vocab`, or
+    `cross_vocab` with the shared vocabulary `[K]` ids (`teachers.vocab_map`) and its tokenizer's real size."""
+
+    mode: str
+    student_ids: Tensor | None = None
+    teacher_ids: Tensor | None = None
+    vocab: int | None = None
 
 
 class KVDistillModel(nn.Module):
@@ -49,6 +73,8 @@ class KVDistillModel(nn.Module):
         key_space: KeySpace = "post_rope",
         codi_dims: dict[str, tuple[int, int]] | None = None,
         kv_segments: tuple[int, ...] = (0, 1, 2),
+        logit_teachers: dict[str, LogitTeacher] | None = None,
+        vocab_size: int | None = None,
     ):
         super().__init__()
         self.student = student
@@ -58,6 +84,8 @@ class KVDistillModel(nn.Module):
         self.weights = weights
         self.key_space = key_space
         self.kv_segments = kv_segments
+        self.logit_teachers = logit_teachers or {}  # teachers absent here give same-vocab logits
+        self.vocab_size = vocab_size  # the student tokenizer's real size: logits past it are padding rows
         # CODI: teacher hidden (d_t) -> student hidden (d_s) at the answer marker
         self.codi = nn.ModuleDict({n: nn.Linear(dt, ds) for n, (dt, ds) in (codi_dims or {}).items()})
 
@@ -94,29 +122,49 @@ class KVDistillModel(nn.Module):
         num_kv_tokens: Tensor | float | None = None,
         num_sequences: Tensor | float | None = None,
         num_kd_tokens: Tensor | float | None = None,
+        num_transfer_tokens: Tensor | float | None = None,
+        char_ends: Tensor | None = None,
+        teacher_char_ends: dict[str, Tensor] | None = None,
     ) -> dict:
         w = self.weights
         need_kv = kv_scale > 0 and len(self.aligners) > 0
+        chunk = self._chunk_tokens(labels)  # > 0: no [B, T, V] logits; the losses read the final hidden states
+        head_out = {"logits_to_keep": 1, "output_hidden_states": True} if chunk else {"output_hidden_states": w.codi > 0}
         if need_kv:
             out, skv = forward_with_kv(
                 self.student, input_ids, attention_mask, segment_ids,
-                key_space=self.key_space, output_hidden_states=w.codi > 0,
+                key_space=self.key_space, **head_out,
             )
             hidden = skv.hidden_states
         else:  # no KV term, no cache: this path also works under activation checkpointing (which drops it)
-            out = self.student(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                               output_hidden_states=w.codi > 0)
+            out = self.student(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **head_out)
             hidden = torch.stack(out.hidden_states) if w.codi > 0 else None  # [L+1, B, T, d]
         # transfer records (labelled False) have targets for logit KD but no LM loss
         ce_labels = labels if labelled is None else labels.masked_fill(~labelled[:, None], -100)  # [B, T]
-        ce_sum = token_ce_sum(out.logits, ce_labels)
         n_ce_local = (ce_labels[:, 1:] != -100).sum()
         n_ce = num_ce_tokens if num_ce_tokens is not None else n_ce_local.clamp(min=1)
-        metrics: dict[str, Tensor | float] = {"ce": (ce_sum / n_ce_local.clamp(min=1)).detach()}
-        loss = w.ce * ce_sum / n_ce
-
+        tr_labels = labels if labelled is None else labels.masked_fill(labelled[:, None], -100)  # transfer targets
+        n_tr = num_transfer_tokens if num_transfer_tokens is not None else (tr_labels[:, 1:] != -100).sum().clamp(min=1)
+        n_kd_local = (labels[:, 1:] != -100).sum().clamp(min=1)
+        n_kd = num_kd_tokens if num_kd_tokens is not None else n_kd_local
         sample_w = self.fusion.sample_weights(index)  # [B, N]
         names = list(self.aligners)
+        teacher_logits = teacher_logits or {}
+        same = {n: t for n, t in teacher_logits.items() if self._logit_mode(n) == "same_vocab"}
+        final = out.hidden_states[-1] if chunk else None  # [B, T, d] after the last norm: what the head reads
+        if chunk:  # CE, transfer LM and same-vocab KD in one pass over chunks of the head
+            lab = torch.ones_like(index, dtype=torch.bool) if labelled is None else labelled  # [B]
+            ce_w = torch.where(lab, w.ce / n_ce, w.transfer_lm / n_tr)[:, None]  # [B, 1] per record
+            lm_labels = labels if w.transfer_lm > 0 else ce_labels
+            loss, ce_sum, kd_same = self._chunked_head(final, labels, lm_labels, ce_w, same, sample_w, names, n_kd,
+                                                       chunk)
+        else:
+            ce_sum = token_ce_sum(out.logits, ce_labels)
+            loss = w.ce * ce_sum / n_ce
+            if w.transfer_lm > 0:
+                loss = loss + w.transfer_lm * token_ce_sum(out.logits, tr_labels) / n_tr
+        # chunked with transfer_lm > 0: the logged CE also holds the transfer records' tokens
+        metrics: dict[str, Tensor | float] = {"ce": (ce_sum / n_ce_local.clamp(min=1)).detach()}
         if need_kv:
             base = self.kv_mask(segment_ids, attention_mask)  # [B, T_s]
             n_kv = num_kv_tokens if num_kv_tokens is not None else base.sum().clamp(min=1)
@@ -128,14 +176,16 @@ class KVDistillModel(nn.Module):
             loss = loss + w.codi * codi / (num_sequences if num_sequences is not None else input_ids.shape[0])
             metrics["codi"] = (codi / input_ids.shape[0]).detach()
         if w.logit_kd > 0 and teacher_logits:
-            kd = sum(
+            kd = 0 if chunk else sum(  # chunked: the same-vocab KD is in the loss already
                 logit_kd_sum(out.logits, t, labels, w.logit_kd_kind, w.temperature, sample_w[:, names.index(n)],
-                             beta=w.beta)
-                for n, t in teacher_logits.items()
+                             beta=w.beta, vocab_size=self.vocab_size)
+                for n, t in same.items()
             )
-            n_kd_local = (labels[:, 1:] != -100).sum().clamp(min=1)
-            loss = loss + w.logit_kd * kd / (num_kd_tokens if num_kd_tokens is not None else n_kd_local)
-            metrics["logit_kd"] = (kd / n_kd_local).detach()
+            kd = kd + self._cross_vocab_kd(out.logits if final is None else final, final is not None, labels,
+                                           char_ends, teacher_char_ends or {}, teacher_logits, sample_w, names,
+                                           metrics)
+            loss = loss + w.logit_kd * kd / n_kd
+            metrics["logit_kd"] = ((kd + (kd_same if chunk else 0)) / n_kd_local).detach()
         for i, n in enumerate(names):
             metrics[f"fusion_w/{n}"] = sample_w[:, i].mean().detach()
         return {"loss": loss, "metrics": metrics}
@@ -190,6 +240,61 @@ class KVDistillModel(nn.Module):
             loss, m = aligned_kv_loss(self.kv_loss, replace(a, mask=masks[i] * sample_w[:, i : i + 1]))
             total = total + loss
             self._log_teacher(metrics, n, m)
+        return total
+
+    def _logit_mode(self, name: str) -> str:
+        lt = self.logit_teachers.get(name)
+        return "same_vocab" if lt is None else lt.mode
+
+    def _chunk_tokens(self, labels: Tensor) -> int:
+        """Tokens per chunk of the head's losses (`resolve_chunk_tokens` of the option), 0: the model's logits.
+        A head whose weight is not one `[V, d]` matrix (FSDP flattens its shards) keeps the model's logits."""
+        weight = getattr(self.student.get_output_embeddings(), "weight", None)
+        if self.weights.chunk_tokens == 0 or weight is None or weight.dim() != 2:
+            return 0
+        return resolve_chunk_tokens(self.weights.chunk_tokens, labels.numel(), weight.shape[0])
+
+    def _chunked_head(self, final, labels, lm_labels, ce_w, same, sample_w, names, n_kd, chunk
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+        """`chunked_head_loss` over all B×T positions (t predicts labels[:, t + 1], the last one nothing), so
+        no `[B, T, V]` tensor is copied: `(loss, CE sum, same-vocab KD sum)`. CE on `lm_labels`' targets, weighted
+        per record by `ce_w [B, 1]`; KD on every target of `labels`."""
+        w = self.weights
+        shift = lambda x: F.pad(x[:, 1:], (0, 1), value=-100)  # noqa: E731  [B, T]: the target each position predicts
+        valid = (shift(labels) != -100).float()  # [B, T]
+        kd_w = torch.stack([valid * sample_w[:, names.index(n), None] for n in same]).flatten(1) if same else None
+        head = self.student.get_output_embeddings()
+        return chunked_head_loss(
+            final.flatten(0, 1), head.weight, head.bias, shift(lm_labels).flatten(),
+            [(t.flatten(0, 1), None, None) for t in same.values()], kd_w,
+            ce_weights=ce_w.expand_as(valid).flatten(), kd_scale=w.logit_kd / n_kd, kind=w.logit_kd_kind, beta=w.beta,
+            temperature=w.temperature, vocab_size=self.vocab_size, chunk_tokens=chunk,
+        )
+
+    def _cross_vocab_kd(self, student, hidden, labels, char_ends, teacher_char_ends, teacher_logits, sample_w,
+                        names, metrics) -> Tensor | int:
+        """Sum over cross-vocab teachers of `cross_vocab_kd_sum` at the positions with a target where both
+        tokenizations end a token at the same character. `student`: logits `[B, T, V]`, or (`hidden`) the final
+        hidden states `[B, T, d]` (chunked path: only those positions' logits are made)."""
+        w, total = self.weights, 0
+        has_target = F.pad(labels[:, 1:] != -100, (0, 1), value=False)  # [B, T]
+        for n, t_logits in teacher_logits.items():
+            lt = self.logit_teachers.get(n)
+            if lt is None or lt.mode != "cross_vocab":
+                continue
+            if char_ends is None:
+                raise ValueError("cross-vocab logit KD needs the batch's char_ends (kvdistill.data.tokenize_example)")
+            t_pos, shared = shared_boundaries(char_ends, teacher_char_ends.get(n, char_ends))  # [B, T_s]
+            b, i = (shared & has_target).nonzero(as_tuple=True)  # [M]
+            rows = student[b, i]  # [M, V_s] logits, or [M, d] hidden states through the head
+            rows = self.student.get_output_embeddings()(rows) if hidden else rows
+            dev = t_logits.device
+            total = total + cross_vocab_kd_sum(
+                rows, t_logits[b, t_pos[b, i]], lt.student_ids.to(dev), lt.teacher_ids.to(dev),
+                sample_w[b, names.index(n)], w.logit_kd_kind, w.temperature, beta=w.beta,
+                student_vocab=self.vocab_size, teacher_vocab=lt.vocab,
+            )
+            metrics[f"logit_kd_shared/{n}"] = float(b.numel()) / max(float(has_target.sum()), 1.0)
         return total
 
     @staticmethod

@@ -196,8 +196,8 @@ class KVDistillTrainer(Trainer):
         return self.optimizer
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
-        """Global (all micro-batches, all ranks) counts `[4]`: CE tokens (labelled records), KV tokens,
-        sequences, logit-KD tokens (labelled and transfer records)."""
+        """Global (all micro-batches, all ranks) counts `[5]`: CE tokens (labelled records), KV tokens,
+        sequences, logit-KD tokens (labelled and transfer records), transfer-LM tokens (transfer records)."""
         if not batch_samples or "labels" not in batch_samples[0]:
             return None
         m = self.distill_model
@@ -206,7 +206,7 @@ class KVDistillTrainer(Trainer):
         kd = sum(float(t.sum()) for t in targets)
         kv = sum(float(m.kv_mask(b["segment_ids"], b["attention_mask"]).sum()) for b in batch_samples)
         seqs = sum(float(b["input_ids"].shape[0]) for b in batch_samples)  # per-sample terms (CODI)
-        counts = torch.tensor([ce, kv, seqs, kd], device=device)
+        counts = torch.tensor([ce, kv, seqs, kd, kd - ce], device=device)
         if self.args.world_size > 1:
             counts = self.accelerator.gather(counts[None]).sum(0)
         return counts.clamp(min=1)
@@ -216,6 +216,8 @@ class KVDistillTrainer(Trainer):
         args: KVDistillConfig = self.args
         inputs = dict(inputs)
         teacher_inputs = inputs.pop("teacher_inputs", {})
+        # where each teacher's tokens end in the text: cross-vocab logit KD pairs positions by them
+        teacher_char_ends = {n: v["char_ends"] for n, v in teacher_inputs.items() if "char_ends" in v}
         token_fields = inputs.pop("token_fields", None)  # a task's per-token facts (fields.py): read by row
         # selection (relation_rows) and controls
         warm = kv_warmup_factor(self.state.global_step, args.kv_warmup_steps)
@@ -234,6 +236,8 @@ class KVDistillTrainer(Trainer):
             num_kv_tokens=None if counts is None else counts[1],
             num_sequences=None if counts is None else counts[2],
             num_kd_tokens=None if counts is None else counts[3],
+            num_transfer_tokens=None if counts is None else counts[4],
+            teacher_char_ends=teacher_char_ends,
         )
         loss = out["loss"]
         if not torch.isfinite(loss):  # one sync a step; the metrics below sync anyway
@@ -318,12 +322,12 @@ class KVDistillTrainer(Trainer):
         need_kv = args.kv_weight > 0 or args.codi_weight > 0
         kvs, logits = {}, {}
         for t in self.teachers:
-            if not need_kv and not t.shares_student_tokens:
-                continue  # logit KD only: a teacher with another tokenizer has nothing to give
+            if not need_kv and t.logit_kd == "off":
+                continue  # logit KD only, and this teacher gives none
             src = teacher_inputs.get(t.name, inputs)
             ids, mask, seg = (src[k] if perm is None else src[k][perm] for k in ("input_ids", "attention_mask",
                                                                                   "segment_ids"))
-            key_space, hidden, want_logits = args.teacher_outputs(t.shares_student_tokens)
+            key_space, hidden, want_logits = args.teacher_outputs(t.logit_kd)
             kvs[t.name], out_logits = self.teachers.forward(
                 t.name, ids, mask, seg,
                 key_space=key_space, output_hidden_states=hidden, return_logits=want_logits, index=index,
