@@ -1,5 +1,5 @@
-"""On-policy distillation on two CPU processes: DDP ranks sample different completions (and train), and
-FSDP refuses generation in one line before training.
+"""On-policy distillation on two CPU processes: DDP ranks sample different completions (and train); FSDP
+refuses generation in one line before training, DeepSpeed ZeRO-3 before anything loads.
 
 Also the worker `accelerate launch` runs (`python test_onpolicy_ddp.py <kvdistill train options>`): it
 trains, then writes what each rank samples for the same records at the same step to `samples_rank<i>.json`.
@@ -7,6 +7,7 @@ trains, then writes what each rank samples for the same records at the same step
 
 import json
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,20 @@ def test_fsdp_refuses_generation_in_one_line(base_args, tiny_world, launch, tmp_
                ["-m", "kvdistill.cli", "train", *argv])
     assert r.returncode != 0
     # the worker's one-line error and exit 2 (cli's policy: no traceback of ours; the launcher adds its own)
-    assert "lmbda > 0 / seq_kd generate every step, which under FSDP" in r.stderr
+    # (both ranks print it: their lines may interleave, so the parts are checked apart)
+    assert "kvdistill train: error: " in r.stderr and "which under FSDP steps every rank" in r.stderr
     assert "exitcode  : 2" in r.stderr and "raise ConfigError" not in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_zero3_refuses_generation_before_loading(base_args, tiny_world, launch, tmp_path):
+    argv = _args(base_args, tiny_world, tmp_path / "zero3")
+    r = launch(["--config_file", str(CONFIGS / "deepspeed_zero3.yaml"), "--num_processes", "2"],
+               ["-m", "kvdistill.cli", "train", *argv])
+    assert r.returncode != 0 and "exitcode  : 2" in r.stderr  # the CLI's one-line error, on each rank
+    assert "kvdistill train: error: lmbda > 0 / seq_kd generate every step, which under ZeRO-3" in r.stderr
+    assert "Loading weights" not in r.stderr  # refused before any model loads
 
 
 def _worker(argv: list[str]) -> None:
