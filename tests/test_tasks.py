@@ -187,7 +187,7 @@ def test_modular_number_field_marks_every_number_with_its_value(table):
         numbers = [(m.start(), m.end(), int(m.group())) for m in re.finditer(r"\d+", rec["question"])]
         assert [tuple(s) for s in rec["token_fields"]["number"]] == numbers
         assert all(text == str(v) and 0 <= v < P for text, v in spans(rec, "number"))
-        assert [s[:2] for s in rec["token_fields"]["numeral"]] == [s[:2] for s in numbers]
+        assert [tuple(s[:2]) for s in rec["token_fields"]["numeral"]] == [s[:2] for s in numbers]
         assert {v for _, v in spans(rec, "numeral")} == {1}
 
 
