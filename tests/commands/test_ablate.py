@@ -454,7 +454,7 @@ class CurveRuns(FakeRuns):
 
 
 def _curve_ablation(tmp_path, **extra):
-    _write_yaml(tmp_path / "train.yaml", {"student": "s"})
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "kv_weight": 0, "teachers": [{"path": "t"}]})  # kv reads one
     spec = {"base_config": "train.yaml", "output_dir": str(tmp_path / "out"), "seeds": [0, 1, 2, 3, 4],
             "variants": ["baseline", "kv", {"name": "same", "overrides": {"kv_weight": 0.0}}],
             "n_resamples": 500, **extra}
