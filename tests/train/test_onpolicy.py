@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from kvdistill.cache import PROMPT
@@ -125,10 +126,17 @@ def test_seq_kd_learns_the_first_teachers_text(two_tok_args):
 
 
 @pytest.mark.parametrize("lmbda", [1.0, 0.5])
-def test_cli_run_with_two_tokenizers(two_tok_args, tmp_path, lmbda):
+def test_cli_run_with_two_tokenizers(base_args, tiny_world, tmp_path, lmbda):
+    # the on-policy options and teachers from a YAML file, the rest from the command line
+    m = tiny_world.models
+    (tmp_path / "onpolicy.yaml").write_text(yaml.safe_dump({
+        **ON_POLICY, "lmbda": lmbda,
+        "teachers": [{"path": str(m["qwen2_teacher"])}, {"path": str(m["llama_teacher_alt_tok"])}]}))
     out = tmp_path / "run"
-    assert train_main(two_tok_args(output_dir=out, lmbda=lmbda, max_steps=4, logging_steps=1,
-                                   per_device_train_batch_size=2, gradient_accumulation_steps=2)) == 0
+    argv = base_args(output_dir=out, max_steps=4, logging_steps=1, per_device_train_batch_size=2,
+                     gradient_accumulation_steps=2)
+    i = argv.index("--teachers")
+    assert train_main(["--config", str(tmp_path / "onpolicy.yaml"), *argv[:i], *argv[i + 2:]]) == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert len(rows) == 4 and all(r["logit_kd"] > 0 and r["kv_loss"] > 0 for r in rows)
     on = [r["on_policy"] for r in rows]
