@@ -9,15 +9,17 @@ the head), four variants:
 - ce chunked: the same CE through `chunked_head_loss` with no teacher (what Liger's fused linear CE
   and torchtune's chunked CE do): one chunk's logits at a time;
 - kd unchunked: CE + forward-KL logit KD from one teacher of the same head shapes (its hidden states
-  and head given), on full logits (`token_ce_sum` + `logit_kd_sum`): today's path;
+  and head given, so its logits are made inside the loss: one matmul more than CE, in both KD
+  variants), on full logits (`token_ce_sum` + `logit_kd_sum`): the path without chunking;
 - kd chunked: the same loss through `chunked_head_loss` (`AUTO_CHUNK_TOKENS` tokens per chunk).
 
-Memory: each variant runs in a fresh process (`--measure VARIANT`), so no earlier variant's
-high-water mark or allocator cache counts: the peak bytes torch allocates during the fwd + bwd
-above what its inputs hold (`torch.profiler` memory events: `kvdistill.commands.profile.measure`),
-and, beside it, the process's RSS high-water mark (`ru_maxrss`) after the step minus the same mark
-once the inputs are allocated (glibc defaults, freed memory given back). The parameters' and
-hidden states' gradients count in every variant.
+Memory: each variant runs in fresh processes (`--measure VARIANT`), so no earlier variant's
+high-water mark or allocator cache counts: `peak_mib`, the peak bytes torch allocates during the
+fwd + bwd above what its inputs hold (`torch.profiler` memory events:
+`kvdistill.commands.profile.measure`; the headline), and, from another fresh process without the
+profiler, `rss_peak_mib`, the process's RSS high-water mark (`ru_maxrss`) after the step minus the
+same mark once the inputs are allocated (glibc defaults, freed memory given back). The parameters'
+and hidden states' gradients count in every variant.
 
 Time: the four variants interleaved in this process (`interleaved_times`, 1 torch thread).
 
@@ -97,25 +99,29 @@ def step_fn(variant: str, x: dict[str, torch.Tensor], chunk: int):
     return fn
 
 
-def measure_variant(variant: str, shape: dict[str, int]) -> dict[str, float]:
-    """In this (fresh) process: peak extra bytes of one fwd + bwd, by the profiler and by max RSS."""
+def measure_variant(variant: str, shape: dict[str, int], how: str = "profiler") -> float:
+    """In this (fresh) process: MiB of peak extra memory of one fwd + bwd, by the profiler's memory events
+    (`how="profiler"`) or by the rise of the max RSS over its value once the inputs are allocated ("rss",
+    without the profiler, whose own buffers would count)."""
     torch.set_num_threads(1)
     x = make_inputs(shape)
     fn = step_fn(variant, x, shape["chunk"])
+    if how == "profiler":
+        return measure(fn)[2] / 2**20
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux: the inputs are in it
-    _, seconds, peak = measure(fn)
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"peak_mib": peak / 2**20, "rss_peak_mib": (rss1 - rss0) / 2**10, "first_s": seconds}
+    fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 2**10
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Memory per variant in fresh processes, then time interleaved here; a dict for `kvdistill bench`."""
     shape = QUICK if quick else FULL
-    mem = {}
+    mem: dict[str, dict[str, float]] = {v: {} for v in VARIANTS}
     for v in VARIANTS:
-        out = subprocess.run([sys.executable, __file__, "--measure", v, "--shape", json.dumps(shape)],
-                             check=True, capture_output=True, text=True)
-        mem[v] = json.loads(out.stdout.strip().splitlines()[-1])
+        for how, key in (("profiler", "peak_mib"), ("rss", "rss_peak_mib")):
+            out = subprocess.run([sys.executable, __file__, "--measure", v, "--how", how, "--shape", json.dumps(shape)],
+                                 check=True, capture_output=True, text=True)
+            mem[v][key] = float(out.stdout.strip().splitlines()[-1])
     repeats, warmup = (1, 0) if quick else (3, 1)
     x = make_inputs(shape)
     with torch_threads(1):
@@ -130,8 +136,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "description": f"One loss fwd + bwd from student hidden states [{shape['tokens']}, {shape['hidden']}] through "
         f"a [{shape['vocab']}, {shape['hidden']}] head (fp32), CE + forward-KL KD from one teacher of the same shapes; "
         f"chunked = `chunked_head_loss`, {shape['chunk']} tokens per chunk. peak_mib: peak bytes torch allocates during "
-        "the step above its inputs (torch.profiler), each variant in a fresh process; rss_peak_mib: the process's "
-        f"max-RSS rise over the step. ms: median of {repeats} interleaved repeats, 1 torch thread. mem_over_ce, "
+        "the step above its inputs (torch.profiler), each variant in a fresh process; rss_peak_mib: the max-RSS rise "
+        f"over the step in another fresh process, without the profiler. ms: median of {repeats} interleaved repeats, 1 torch thread. mem_over_ce, "
         "time_over_ce: kd chunked / ce chunked (the headline: CE done the same memory-aware way); *_plain: against "
         "CE on full logits.",
         "results": rows,
@@ -154,10 +160,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, one repeat")
     parser.add_argument("--measure", choices=VARIANTS, help="(internal) measure one variant's memory in this process")
+    parser.add_argument("--how", choices=("profiler", "rss"), default="profiler", help="(internal) with --measure")
     parser.add_argument("--shape", help="(internal) the shape dict, JSON")
     args = parser.parse_args()
     if args.measure:  # glibc defaults here: RSS follows what is really held
-        print(json.dumps(measure_variant(args.measure, json.loads(args.shape))))
+        print(measure_variant(args.measure, json.loads(args.shape), args.how))
     else:
         keep_freed_memory()  # as every `kvdistill` process does (`kvdistill bench` runs this module too)
         json.dump(run(quick=args.quick), sys.stdout, indent=1)
