@@ -120,6 +120,8 @@ class TeacherCache:
             }
             if kv.hidden_states is not None:
                 entry["hidden_states"] = kv.hidden_states[:, b, :n].transpose(0, 1).cpu()  # [T_i, L+1, d]
+            if kv.queries is not None:
+                entry["queries"] = kv.queries[:, b, :, :n].permute(2, 0, 1, 3).cpu()  # [T_i, L, H_q, D]
             if logits is not None:
                 entry["logits"] = logits[b, :n].cpu()  # [T_i, V]
             self.store[(*key, int(i))] = entry
@@ -137,7 +139,8 @@ class TeacherCache:
         seg = stack("segment_ids", PAD)  # [B, T]
         hidden = stack("hidden_states").permute(2, 0, 1, 3) if "hidden_states" in entries[0] else None
         logits = stack("logits") if "logits" in entries[0] else None
-        kv = KVCache(keys, values, (seg != PAD).long(), seg, hidden)
+        queries = stack("queries").permute(2, 0, 3, 1, 4) if "queries" in entries[0] else None  # [L, B, H_q, T, D]
+        kv = KVCache(keys, values, (seg != PAD).long(), seg, hidden, queries)
         return kv, logits
 
 
@@ -214,6 +217,7 @@ class TeacherSet:
         key_space: KeySpace = "post_rope",
         output_hidden_states: bool = False,
         return_logits: bool = False,
+        queries: bool = False,
         index: Tensor | None = None,
     ) -> tuple[KVCache, Tensor | None]:
         """One teacher's detached KV (and logits when asked) on a batch.
@@ -221,36 +225,37 @@ class TeacherSet:
         With the cache on and the records' ids `index [B]` given, records seen before are read from
         memory; a batch with any new record runs the teacher and stores every record of it.
         """
-        key = self.cache_key(name, key_space, output_hidden_states, return_logits)
+        key = self.cache_key(name, key_space, output_hidden_states, return_logits, queries)
         if self.cache is not None and index is not None:
             if self.cache.has(key, index):
                 return self.cache.get(key, index, input_ids.device)
             if is_captured(self.teachers[name]):
                 missing = [int(i) for i in index if (*key, int(i)) not in self.cache.store]
                 raise ConfigError(f"teacher {name} is read from a capture that lacks records {missing[:5]} (or was "
-                                  "made without hidden states / logits this run needs); capture again with this "
+                                  "made without hidden states / logits / queries this run needs); capture again with this "
                                   "run's config")
             kv, logits = self._forward(name, input_ids, attention_mask, segment_ids, key_space,
-                                       output_hidden_states, return_logits)
+                                       output_hidden_states, return_logits, queries)
             self.cache.put(key, index, kv, logits)
             return kv, logits
         return self._forward(name, input_ids, attention_mask, segment_ids, key_space, output_hidden_states,
-                             return_logits)
+                             return_logits, queries)
 
     @staticmethod
-    def cache_key(name: str, key_space: KeySpace, output_hidden_states: bool, return_logits: bool) -> tuple:
+    def cache_key(name: str, key_space: KeySpace, output_hidden_states: bool, return_logits: bool,
+                  queries: bool = False) -> tuple:
         """The `TeacherCache` key of one teacher's outputs of one kind (a capture fills the same key)."""
-        return (name, key_space, output_hidden_states, return_logits)
+        return (name, key_space, output_hidden_states, return_logits, queries)
 
     def _forward(self, name, input_ids, attention_mask, segment_ids, key_space, output_hidden_states,
-                 return_logits) -> tuple[KVCache, Tensor | None]:
+                 return_logits, queries=False) -> tuple[KVCache, Tensor | None]:
         t = self.teachers[name]
         if self.offload and not _is_quantized(t.model):
             t.model.to(self.device)
         try:
             out, kv = forward_with_kv(
                 t.model, input_ids, attention_mask, segment_ids,
-                key_space=key_space, output_hidden_states=output_hidden_states,
+                key_space=key_space, output_hidden_states=output_hidden_states, queries=queries,
             )
         finally:
             if self.offload and not _is_quantized(t.model):

@@ -82,11 +82,11 @@ def run_capture(cfg: KVDistillConfig, log=print, made: dict[str, dict] | None = 
             tokens[t.name] += int(src["attention_mask"].sum())
             if writers[t.name].done(shard):
                 continue
-            _, key_space, hidden, logits = keys[t.name]
+            _, key_space, hidden, logits, queries = keys[t.name]
             kv, _ = teachers.forward(t.name, *(src[k].to(cfg.device) for k in ("input_ids", "attention_mask",
                                                                                 "segment_ids")),
                                      key_space=key_space, output_hidden_states=hidden, return_logits=logits,
-                                     index=batch["index"])
+                                     queries=queries, index=batch["index"])
             if cfg.capture_keep < 1:  # store the kept positions in place of the full records (no logits here)
                 generator = torch.Generator(device=kv.keys.device).manual_seed(cfg.seed * 1_000_003 + j)
                 kv = compress_rationale(kv, cfg.capture_keep, cfg.capture_compression, cfg.compression_lambda,

@@ -22,7 +22,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from kvdistill.align.aligner import KVAligner, cache_dims
 from kvdistill.align.layer_map import build_layer_map
-from kvdistill.cache import SEGMENT_NAMES, extract_kv
+from kvdistill.cache import SEGMENT_NAMES, extract_kv, query_modules
 from kvdistill.capture import (
     load_capture,
     mapped_layers,
@@ -33,9 +33,12 @@ from kvdistill.capture import (
 from kvdistill.config import ConfigError
 from kvdistill.controls import TextPermutation, oracle_width
 from kvdistill.data import DistillCollator, TeacherView, add_latent_token, load_records
+from kvdistill.fields import FIELD_KEY
 from kvdistill.fusion import TeacherFusion
 from kvdistill.io import read_json, write_json_atomic
 from kvdistill.losses import RelationKVLoss, build_kv_loss
+from kvdistill.losses.attention import AttentionMapLoss
+from kvdistill.losses.relation import parse_rows
 from kvdistill.models import (
     check_length,
     check_vocab,
@@ -66,6 +69,9 @@ def _kv_loss(cfg: KVDistillConfig):
         return RelationKVLoss(relation_heads=cfg.relation_heads, temperature=cfg.relation_temperature,
                               reduction="sum", segment_weights=segment_weights, chunk_size=cfg.relation_chunk_size,
                               compile=cfg.relation_compile)
+    if cfg.kv_loss == "attention":
+        return AttentionMapLoss(reduction="sum", segment_weights=segment_weights, chunk_size=cfg.relation_chunk_size,
+                                compile=cfg.relation_compile)
     kwargs = {"reduction": "sum", "normalize_target": cfg.normalize_target}
     if cfg.kv_loss in ("mercator", "hybrid"):
         kwargs.update(alpha=cfg.mercator_alpha, beta=cfg.mercator_beta)
@@ -90,7 +96,7 @@ def make_aligner(cfg: KVDistillConfig, spec: TeacherConfig, layer_map: torch.Ten
     """One teacher's aligner with the run's options (the teacher's own projector options win)."""
     return KVAligner(
         mode=cfg.head_mode, time_mode=cfg.time_mode, layer_map=layer_map,
-        projector="none" if cfg.kv_loss == "relation" else (spec.projector or cfg.projector),
+        projector="none" if cfg.kv_loss in ("relation", "attention") else (spec.projector or cfg.projector),
         mlp_ratio=spec.mlp_ratio if spec.mlp_ratio is not None else cfg.mlp_ratio,
         dropout=spec.projector_dropout if spec.projector_dropout is not None else cfg.projector_dropout,
         init=spec.projector_init or cfg.projector_init, share_layers=cfg.share_layers, direction=cfg.direction,
@@ -208,6 +214,11 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
         check_vocab(model, tok, name)
         check_length(model, cfg.max_length, name, f"max_length {cfg.max_length}",
                      f"set max_length <= {max_positions(model)}")
+        if cfg.kv_loss == "attention" and cfg.kv_weight > 0:  # it reads every model's post-RoPE queries
+            try:
+                query_modules(model)
+            except ValueError as err:
+                raise ConfigError(f"{name}: {err}") from None
     if cfg.student_input.startswith("latent:") and add_latent_token(tokenizer):
         # the slot token is new to the student: one more embedding row (mean-initialised)
         student.resize_token_embeddings(len(tokenizer))
@@ -269,7 +280,7 @@ def capture_settings(cfg: KVDistillConfig, run: RunInputs) -> dict[str, dict]:
             update_token_hash(hashes[t.name], src["input_ids"].masked_fill(src["attention_mask"] == 0, -1))
     settings = {}
     for t, spec in zip(run.teachers, run.specs):
-        _, _, hidden, logits = cache_key(cfg, t)
+        _, _, hidden, logits, queries = cache_key(cfg, t)
         forms = capture_forms(cfg, run, t, spec)
         settings[t.name] = {
             "tokenizer": tokenizer_hash(t.tokenizer), "tokens": hashes[t.name].hexdigest()[:16],
@@ -279,6 +290,8 @@ def capture_settings(cfg: KVDistillConfig, run: RunInputs) -> dict[str, dict]:
         }
         for value in forms.values():
             settings[t.name].update(value)
+        if queries:  # kv_loss attention: the capture holds post-RoPE queries beside K/V (absent otherwise, so
+            settings[t.name]["queries"] = True  # captures made before queries existed keep their identity)
     return settings
 
 
@@ -314,6 +327,13 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
     check_zero3(cfg)
     run = load_run(cfg, teacher_weights=not cfg.teacher_capture)
     tokenizer, student, records, teachers, specs = run.tokenizer, run.student, run.records, run.teachers, run.specs
+    field = parse_rows(cfg.relation_rows)
+    if isinstance(field, str) and cfg.kv_weight > 0:  # relation_rows field:<name> reads it in every batch
+        every = [*records, *run.transfer]
+        missing = sum(field not in dict(r.get(FIELD_KEY) or ()) for r in every)
+        if missing:
+            raise ConfigError(f"relation_rows field:{field}: {missing} of {len(every)} records have no token field "
+                              f"{field!r}; write it under {FIELD_KEY} in every record, or choose other relation_rows")
     collator = run.collator
     teacher_set = TeacherSet(teachers, cfg.device, offload=cfg.teacher_offload,
                              cache=cfg.teacher_cache or bool(cfg.teacher_capture))
@@ -336,7 +356,7 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
         for t, s in zip(teachers, specs):
             src = teacher_view(probe, t.name)
             # the outputs training reads (so a captured teacher serves the probe from its capture)
-            _, key_space, hidden, logits = cache_key(cfg, t)
+            _, key_space, hidden, logits, queries = cache_key(cfg, t)
             inputs = (src[k].to(cfg.device) for k in ("input_ids", "attention_mask", "segment_ids"))
             index = probe["index"] if cfg.teacher_capture else None
             if cfg.teacher_control == "oracle":  # the target training reads in place of the teacher
@@ -344,7 +364,7 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
             else:
                 with gathered(t.model.parameters()):
                     tkv, _ = teacher_set.forward(t.name, *inputs, key_space=key_space, output_hidden_states=hidden,
-                                                 return_logits=logits, index=index)
+                                                 return_logits=logits, queries=queries, index=index)
             layer_maps[t.name] = _layer_map(cfg, s, student, t.model)
             aligner = make_aligner(cfg, s, layer_maps[t.name])
             aligner.setup(tkv, skv)
@@ -360,7 +380,7 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
         student, aligners, fusion, _kv_loss(cfg),
         LossWeights(cfg.ce_weight, cfg.codi_weight, cfg.logit_kd_weight, cfg.logit_kd_kind, cfg.logit_kd_temperature,
                     transfer_lm=cfg.transfer_lm_weight, chunk_tokens=cfg.logit_chunk_tokens, beta=cfg.beta),
-        key_space=cfg.key_space, codi_dims=codi_dims, kv_segments=_kv_segments(cfg),
+        key_space=cfg.key_space, codi_dims=codi_dims, kv_segments=_kv_segments(cfg), kv_rows=cfg.relation_rows,
         logit_teachers=_logit_teachers(tokenizer, teachers), vocab_size=len(tokenizer),
     )
     accuracy_records = None

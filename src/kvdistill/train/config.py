@@ -28,11 +28,14 @@ from kvdistill.controls import TextPermutation
 from kvdistill.data import DEFAULT_TEMPLATE, FIELD_MAPS, parse_student_input
 from kvdistill.fusion import FUSIONS
 from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
+from kvdistill.losses.relation import parse_rows
 from kvdistill.teachers import LOGIT_KD_MODES
 
 # the config's names for the layer map: "cka" reads each teacher's JSON (the aligner's "json" kind)
 LAYER_MAPS = ("proportional", "last_k", "cka")
-KV_LOSSES = (*LOSSES, "relation")  # relation: MiniLMv2 self-relations, no projector (losses/relation.py)
+# relation: MiniLMv2 self-relations of keys/values, no projector (losses/relation.py); attention: the attention
+# maps softmax(Q Kᵀ), queries from the models' own attention (losses/attention.py)
+KV_LOSSES = (*LOSSES, "relation", "attention")
 # controls: a gain counts as transfer only if it beats them (docs/evaluation.md; controls.py)
 TEACHER_CONTROLS = ("none", "untrained", "shuffled", "oracle", "permuted", "other_task")
 ON_NONFINITE = ("stop", "skip")
@@ -173,7 +176,8 @@ class KVDistillConfig(TrainingArguments):
     direction: str = option("teacher_to_student", f"Which side is projected: {DIRECTIONS}.",
                             affects="student_loss", card="alignment")
     key_space: str = option("auto", "Keys as cached (post_rope) or before RoPE (pre_rope); auto: pre_rope for "
-                            "kv_loss relation (relations of rotated keys depend on position), else post_rope.",
+                            "kv_loss relation (relations of rotated keys depend on position), else post_rope "
+                            "(kv_loss attention needs post_rope: attention reads rotated queries and keys).",
                             affects="teacher_outputs", card="alignment")
     # ---- losses
     kv_loss: str = option("mercator", f"KV loss: {KV_LOSSES}.", affects="student_loss", card="signals")
@@ -185,7 +189,13 @@ class KVDistillConfig(TrainingArguments):
                                  affects="student_loss", valid=">= 1")
     relation_temperature: float = option(1.0, "kv_loss relation: softmax temperature of the relation matrices.",
                                          affects="student_loss", valid="> 0")
-    relation_chunk_size: int | None = option(None, "kv_loss relation: query rows per chunk (memory O(L*B*R*C*T) "
+    relation_rows: str = option("all", "kv_loss relation / attention: the query rows the loss reads: all | answer | "
+                                "segment names, comma-separated (prompt,reasoning,answer) | field:<name> (the "
+                                "tokens where the data's per-token field <name> is > 0). The KL on the rows read and "
+                                "on the other rows is logged either way (<loss>_kl_selected / _other).",
+                                affects="student_loss", card="signals")
+    relation_chunk_size: int | None = option(None, "kv_loss relation / attention: query rows per chunk (memory "
+                                             "O(L*B*R*C*T) "
                                              "instead of O(L*B*R*T^2)); null: all rows at once.",
                                              affects="student_loss", valid=">= 1")
     relation_compile: bool = option(True, "kv_loss relation: compile the row softmaxes (torch.compile; 28 -> 22 "
@@ -388,6 +398,7 @@ class KVDistillConfig(TrainingArguments):
                               "(or kv_weight: 0); see docs/training.md")
         if self.key_space == "auto":
             self.key_space = "pre_rope" if self.kv_loss == "relation" else "post_rope"
+        self._check_attention()
         try:
             parse_student_input(self.student_input)
         except ValueError as err:
@@ -530,10 +541,37 @@ class KVDistillConfig(TrainingArguments):
         """The teachers this run reads: all of them under a teacher signal, none without one."""
         return self.teacher_configs if self.teacher_signal else []
 
-    def teacher_outputs(self, logit_kd: str) -> tuple[str, bool, bool]:
-        """What training reads from a teacher: `(key_space, hidden states?, logits?)`. Hidden states for
-        CODI; logits for logit KD, from a teacher whose resolved `logit_kd` mode (`Teacher.logit_kd`) is not off."""
-        return self.key_space, self.codi_weight > 0, self.logit_kd_weight > 0 and logit_kd != "off"
+    def teacher_outputs(self, logit_kd: str) -> tuple[str, bool, bool, bool]:
+        """What training reads from a teacher: `(key_space, hidden states?, logits?, queries?)`. Hidden
+        states for CODI; logits for logit KD, from a teacher whose resolved `logit_kd` mode (`Teacher.logit_kd`)
+        is not off; post-RoPE queries for kv_loss attention."""
+        return (self.key_space, self.codi_weight > 0, self.logit_kd_weight > 0 and logit_kd != "off",
+                self.kv_loss == "attention")
+
+    def _check_attention(self) -> None:
+        """relation_rows and kv_loss attention: what they need and cannot run with."""
+        try:
+            parse_rows(self.relation_rows)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if self.relation_rows != "all" and self.kv_loss not in ("relation", "attention"):
+            raise ConfigError(f"relation_rows selects query rows of kv_loss relation or attention, not {self.kv_loss}; "
+                              "set relation_rows: all or kv_loss: relation / attention")
+        if self.relation_rows.strip().startswith("field:") and (self.lmbda > 0 or self.seq_kd):
+            raise ConfigError("relation_rows field:<name> reads the data's per-token fields, which generated completions "
+                              "(lmbda > 0, seq_kd) do not carry; use segment rows (e.g. answer) or turn generation off")
+        if self.kv_loss != "attention":
+            return
+        if self.key_space != "post_rope":
+            raise ConfigError("kv_loss attention compares softmax(Q Kᵀ) of rotated queries and keys; set key_space: "
+                              "post_rope (or auto)")
+        if self.fusion == "kv_mean":
+            raise ConfigError("fusion: kv_mean averages projected teacher KVs; kv_loss attention has no projector, "
+                              "use fusion: loss_sum (or learned / correctness)")
+        if self.student_input != "full" or self.capture_keep < 1:
+            raise ConfigError("kv_loss attention needs the teacher's queries at every position; a shortened "
+                              "student_input or capture_keep < 1 drops positions: use student_input: full and "
+                              "capture_keep: 1")
 
     def to_yaml_dict(self) -> dict:
         """The resolved config as plain YAML-able data (enums as strings, teachers as mappings)."""

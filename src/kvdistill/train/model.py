@@ -9,6 +9,7 @@ never enter the optimizer, the gradient sync or the checkpoint's trainable state
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,8 @@ from kvdistill.losses import (
     shared_boundaries,
     token_ce_sum,
 )
+from kvdistill.losses.attention import aligned_attention_loss
+from kvdistill.losses.relation import select_rows
 
 
 @dataclass
@@ -75,6 +78,7 @@ class KVDistillModel(nn.Module):
         kv_segments: tuple[int, ...] = (0, 1, 2),
         logit_teachers: dict[str, LogitTeacher] | None = None,
         vocab_size: int | None = None,
+        kv_rows: str = "all",
     ):
         super().__init__()
         self.student = student
@@ -86,6 +90,8 @@ class KVDistillModel(nn.Module):
         self.kv_segments = kv_segments
         self.logit_teachers = logit_teachers or {}  # teachers absent here give same-vocab logits
         self.vocab_size = vocab_size  # the student tokenizer's real size: logits past it are padding rows
+        self.kv_rows = kv_rows  # relation_rows: the query rows the relation / attention loss reads
+        self.queries = getattr(kv_loss, "name", None) == "attention"  # the attention loss reads queries
         # CODI: teacher hidden (d_t) -> student hidden (d_s) at the answer marker
         self.codi = nn.ModuleDict({n: nn.Linear(dt, ds) for n, (dt, ds) in (codi_dims or {}).items()})
 
@@ -102,10 +108,14 @@ class KVDistillModel(nn.Module):
             activation_checkpointing_kwargs=activation_checkpointing_kwargs, **kwargs
         )
 
-    def kv_mask(self, segment_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """`[B, T]` 1 where the KV loss applies: real tokens in the chosen segments."""
+    def kv_mask(self, segment_ids: Tensor, attention_mask: Tensor, token_fields: dict | None = None,
+                rows: bool = True) -> Tensor:
+        """`[B, T]` 1 where the KV loss applies: real tokens in the chosen segments and (`rows`) among the
+        query rows `relation_rows` selects (read from the batch's `token_fields` for `field:<name>`)."""
         seg = torch.isin(segment_ids, torch.tensor(self.kv_segments, device=segment_ids.device))
-        return (seg & (attention_mask > 0) & (segment_ids != PAD)).float()
+        mask = (seg & (attention_mask > 0) & (segment_ids != PAD)).float()
+        sel = select_rows(self.kv_rows, segment_ids, token_fields) if rows else None
+        return mask if sel is None else mask * sel
 
     def forward(
         self,
@@ -125,6 +135,7 @@ class KVDistillModel(nn.Module):
         num_transfer_tokens: Tensor | float | None = None,
         char_ends: Tensor | None = None,
         teacher_char_ends: dict[str, Tensor] | None = None,
+        token_fields: dict[str, Tensor] | None = None,
     ) -> dict:
         w = self.weights
         need_kv = kv_scale > 0 and len(self.aligners) > 0
@@ -133,7 +144,7 @@ class KVDistillModel(nn.Module):
         if need_kv:
             out, skv = forward_with_kv(
                 self.student, input_ids, attention_mask, segment_ids,
-                key_space=self.key_space, **head_out,
+                key_space=self.key_space, queries=self.queries, **head_out,
             )
             hidden = skv.hidden_states
         else:  # no KV term, no cache: this path also works under activation checkpointing (which drops it)
@@ -166,11 +177,13 @@ class KVDistillModel(nn.Module):
         # chunked with transfer_lm > 0: the logged CE also holds the transfer records' tokens
         metrics: dict[str, Tensor | float] = {"ce": (ce_sum / n_ce_local.clamp(min=1)).detach()}
         if need_kv:
-            base = self.kv_mask(segment_ids, attention_mask)  # [B, T_s]
-            n_kv = num_kv_tokens if num_kv_tokens is not None else base.sum().clamp(min=1)
-            kv_sum = self._kv_losses(names, teacher_kvs, skv, base, sample_w, metrics)
+            base = self.kv_mask(segment_ids, attention_mask, rows=False)  # [B, T_s] keys (and candidate rows)
+            rows = select_rows(self.kv_rows, segment_ids, token_fields)  # [B, T_s] rows read, or None: all
+            n_local = (base if rows is None else base * rows).sum().clamp(min=1)
+            n_kv = num_kv_tokens if num_kv_tokens is not None else n_local
+            kv_sum = self._kv_losses(names, teacher_kvs, skv, base, sample_w, metrics, rows)
             loss = loss + kv_scale * kv_sum / n_kv
-            metrics["kv_loss"] = (kv_sum / base.sum().clamp(min=1)).detach()
+            metrics["kv_loss"] = (kv_sum / n_local).detach()
         if w.codi > 0:
             codi = self._codi(names, teacher_kvs, hidden, segment_ids, sample_w)  # sum over samples
             loss = loss + w.codi * codi / (num_sequences if num_sequences is not None else input_ids.shape[0])
@@ -203,7 +216,8 @@ class KVDistillModel(nn.Module):
         for n, logits in (teacher_logits or {}).items():
             if not torch.isfinite(logits).all():
                 return f"teacher {n}: its logits"
-        out, skv = forward_with_kv(self.student, input_ids, attention_mask, segment_ids, key_space=self.key_space)
+        out, skv = forward_with_kv(self.student, input_ids, attention_mask, segment_ids, key_space=self.key_space,
+                                   queries=self.queries)
         if not torch.isfinite(out.logits).all():
             return "the student: its logits"
         for part in ("keys", "values"):
@@ -212,32 +226,46 @@ class KVDistillModel(nn.Module):
         for n in teacher_kvs:
             if n not in self.aligners:
                 continue
-            a = self.aligners[n](teacher_kvs[n], skv)
-            for part in ("teacher_keys", "teacher_values"):
-                if (layer := _first_nonfinite(getattr(a, part))) is not None:  # [L_m, B, T_s, F]
+            a = self._align(n, teacher_kvs[n], skv)
+            for part in ("teacher_keys", "teacher_values", "teacher_queries"):
+                x = getattr(a, part, None)  # [L_m, B, T_s, F]; AlignedKV has no queries, AlignedQK no values
+                if x is not None and (layer := _first_nonfinite(x)) is not None:
                     return f"teacher {n}: the aligner's output ({part}) at student layer {layer}"
-            loss, m = aligned_kv_loss(self.kv_loss, a)
+            loss, m = self._pair_loss(a, None)
             if not torch.isfinite(loss):
-                per_layer = next((m[k] for k in ("cos_sim_per_layer", "relation_kl_per_layer") if k in m), None)
+                per_layer = next((m[k] for k in ("cos_sim_per_layer", "relation_kl_per_layer",
+                                                 "attention_kl_per_layer") if k in m), None)
                 layer = None if per_layer is None else _first_nonfinite(per_layer)
                 return f"teacher {n}: its KV loss" + ("" if layer is None else f" at student layer {layer}")
         return "the CE / logit-KD / CODI terms (every cache and KV loss is finite)"
 
-    def _kv_losses(self, names, teacher_kvs, skv, base, sample_w, metrics) -> Tensor:
+    def _align(self, name: str, tkv: KVCache, skv: KVCache):
+        """One teacher aligned to the student: K/V (`AlignedKV`), or queries and keys (`AlignedQK`, attention)."""
+        aligner = self.aligners[name]
+        return aligner.attention_inputs(tkv, skv) if self.queries else aligner(tkv, skv)
+
+    def _pair_loss(self, aligned, rows: Tensor | None) -> tuple[Tensor, dict]:
+        """The KV loss of one aligned pair: the attention-map loss, or the mean of K and V losses; the
+        relation and attention losses read the query rows `rows [B, T]` (None: all)."""
+        if self.queries:
+            return aligned_attention_loss(self.kv_loss, aligned, rows)
+        return aligned_kv_loss(self.kv_loss if rows is None else partial(self.kv_loss, rows=rows), aligned)
+
+    def _kv_losses(self, names, teacher_kvs, skv, base, sample_w, metrics, rows=None) -> Tensor:
         """Sum over teachers of the (K + V)/2 loss sums, each teacher's mask scaled by its weights."""
-        aligned = [self.aligners[n](teacher_kvs[n], skv) for n in names]
+        aligned = [self._align(n, teacher_kvs[n], skv) for n in names]
         masks = torch.stack([a.mask.float() * base for a in aligned])  # [N, B, T]
         if self.fusion.kind == "kv_mean":
             tk, m = fuse_kv(torch.stack([a.teacher_keys for a in aligned]), masks, sample_w)
             tv, _ = fuse_kv(torch.stack([a.teacher_values for a in aligned]), masks, sample_w)
             fused = replace(aligned[0], teacher_keys=tk, teacher_values=tv, mask=m)
-            loss, m_fused = aligned_kv_loss(self.kv_loss, fused)
+            loss, m_fused = self._pair_loss(fused, rows)
             self._log_teacher(metrics, "fused", m_fused)
             return loss
         total = base.new_zeros(())
         for i, (n, a) in enumerate(zip(names, aligned)):
             # the fusion weight is folded into the mask: losses stay plain masked sums
-            loss, m = aligned_kv_loss(self.kv_loss, replace(a, mask=masks[i] * sample_w[:, i : i + 1]))
+            loss, m = self._pair_loss(replace(a, mask=masks[i] * sample_w[:, i : i + 1]), rows)
             total = total + loss
             self._log_teacher(metrics, n, m)
         return total
@@ -301,10 +329,12 @@ class KVDistillModel(nn.Module):
     def _log_teacher(metrics: dict, name: str, m: dict) -> None:
         """Agreement per teacher: cos-sim and norm ratio (projected losses) or relation KL (relation loss)."""
         for key in ("cos_sim", "k_cos_sim", "v_cos_sim", "norm_ratio", "relation_kl", "k_relation_kl",
-                    "v_relation_kl"):
+                    "v_relation_kl", "relation_kl_selected", "relation_kl_other", "attention_kl",
+                    "attention_kl_selected", "attention_kl_other"):
             if key in m:
                 metrics[f"{key}/{name}"] = _item(m[key])
-        for per_layer, prefix in (("cos_sim_per_layer", "cos_layer"), ("relation_kl_per_layer", "relation_layer")):
+        for per_layer, prefix in (("cos_sim_per_layer", "cos_layer"), ("relation_kl_per_layer", "relation_layer"),
+                                  ("attention_kl_per_layer", "attention_layer")):
             for layer, c in enumerate(m[per_layer].tolist() if per_layer in m else []):
                 metrics[f"{prefix}/{name}/{layer}"] = c
 

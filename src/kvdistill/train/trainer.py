@@ -204,7 +204,8 @@ class KVDistillTrainer(Trainer):
         targets = [b["labels"][:, 1:] != -100 for b in batch_samples]  # [B, T-1] each
         ce = sum(float((t & b["labelled"][:, None]).sum()) for t, b in zip(targets, batch_samples))
         kd = sum(float(t.sum()) for t in targets)
-        kv = sum(float(m.kv_mask(b["segment_ids"], b["attention_mask"]).sum()) for b in batch_samples)
+        kv = sum(float(m.kv_mask(b["segment_ids"], b["attention_mask"], b.get("token_fields")).sum())
+                 for b in batch_samples)
         seqs = sum(float(b["input_ids"].shape[0]) for b in batch_samples)  # per-sample terms (CODI)
         counts = torch.tensor([ce, kv, seqs, kd, kd - ce], device=device)
         if self.args.world_size > 1:
@@ -238,6 +239,7 @@ class KVDistillTrainer(Trainer):
             num_kd_tokens=None if counts is None else counts[3],
             num_transfer_tokens=None if counts is None else counts[4],
             teacher_char_ends=teacher_char_ends,
+            token_fields=token_fields,
         )
         loss = out["loss"]
         if not torch.isfinite(loss):  # one sync a step; the metrics below sync anyway
@@ -327,10 +329,10 @@ class KVDistillTrainer(Trainer):
             src = teacher_inputs.get(t.name, inputs)
             ids, mask, seg = (src[k] if perm is None else src[k][perm] for k in ("input_ids", "attention_mask",
                                                                                   "segment_ids"))
-            key_space, hidden, want_logits = args.teacher_outputs(t.logit_kd)
+            key_space, hidden, want_logits, queries = args.teacher_outputs(t.logit_kd)
             kvs[t.name], out_logits = self.teachers.forward(
-                t.name, ids, mask, seg,
-                key_space=key_space, output_hidden_states=hidden, return_logits=want_logits, index=index,
+                t.name, ids, mask, seg, key_space=key_space, output_hidden_states=hidden,
+                return_logits=want_logits, queries=queries, index=index,
             )
             if compress:
                 kvs[t.name], _ = compress_cache(kvs[t.name], slots, method=args.teacher_compression,
