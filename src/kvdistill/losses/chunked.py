@@ -43,6 +43,11 @@ def _logits(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     return (x if weight is None else F.linear(x, weight, bias)).float()
 
 
+def _tempered(x: Tensor, T: float) -> Tensor:
+    """`x / T`, without an `[n, V]` copy at T = 1 (the usual case)."""
+    return x if T == 1 else x / T
+
+
 def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     """`(a * b).sum(-1)` `[n]` of two `[n, V]` without an `[n, V]` product temporary."""
     return torch.bmm(a[:, None], b[:, :, None])[:, 0, 0]
@@ -59,22 +64,24 @@ def _chunk_grad(z: Tensor, targets: Tensor, teachers: list, sl: slice, kd_w: Ten
     `[n, V]` buffers: memory is the point of chunking); the generalized JSD's mixture goes through autograd.
     """
     T = temperature
+    # the student's log-probs first, so the logits can go as soon as CE's gradient is made: the caller
+    # passed their only reference, and one [n, V] buffer fewer lives while the teachers' are made
+    ls = F.log_softmax(_tempered(z[:, :vocab], T), -1) if teachers else None  # [n, V]
+    z_kd = z[:, :vocab].detach() if teachers and 0.0 < beta < 1.0 else None  # the JSD's autograd reads them
     valid = (targets != -100).float()  # [n]
     tgt = targets.clamp(min=0)[:, None]  # [n, 1]
     lse = torch.logsumexp(z, -1)  # [n]
     ce_tok = (lse - z.gather(1, tgt)[:, 0]) * valid  # [n]
     g = (z - lse[:, None]).exp_()  # [n, V_s] softmax: d CE / dz = softmax - onehot
+    del z
     g.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=g.dtype)).mul_((valid * ce_w)[:, None])
     ce_weighted, ce = (ce_tok * ce_w).sum(), ce_tok.sum()
-    kd = z.new_zeros(())
+    kd = g.new_zeros(())
     if not teachers:
         return g, ce_weighted, ce, kd
-    ls = F.log_softmax(z[:, :vocab] / T, -1)  # [n, V] student log-probs
-    z_kd = z[:, :vocab].detach() if 0.0 < beta < 1.0 else None  # the JSD's autograd needs the logits
-    del z  # the caller passed its only reference: one [n, V_s] buffer fewer from here on
     gv = g[:, :vocab]  # the KD gradient lands on the first `vocab` logits
     for (x, w, b), wk in zip(teachers, kd_w):
-        lt = F.log_softmax(_logits(x[sl], w, b)[:, :vocab] / T, -1)  # [n, V] teacher log-probs
+        lt = F.log_softmax(_tempered(_logits(x[sl], w, b)[:, :vocab], T), -1)  # [n, V] teacher log-probs
         c = (kd_scale * T * wk)[:, None]  # [n, 1]: T² × (1/T) of d(z/T)/dz, times the token's weight
         if beta == 0.0:  # forward KL(t || s) = sum p_t log p_t - sum p_t log p_s; d/dz = (p_s - p_t) / T
             pt = lt.exp()
@@ -113,23 +120,25 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             h = hidden[sl]  # [n, d]
             # only this chunk's logits [n, V_s] live, and only inside _chunk_grad (which frees them early)
             g, ce_weighted, ce, kd = _chunk_grad(F.linear(h, weight, bias).float(), targets[sl], teachers, sl,
-                                                 kd_w[:, sl], ce_w[sl], kd_scale, beta,
-                                    temperature, vocab)
+                                                 kd_w[:, sl], ce_w[sl], kd_scale, beta, temperature, vocab)
             if need_h:
                 grad_h[sl] = g.to(weight.dtype) @ weight  # [n, d]
             if need_w:
                 grad_w.addmm_(g.T, h.float())  # [V_s, d]
             if need_b:
                 grad_b += g.sum(0)
+            del g  # else it would live on beside the next chunk's logits
             ce_total, ce_sum, kd_sum = ce_total + ce_weighted, ce_sum + ce, kd_sum + kd
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        # not save_for_backward: backward hands these over and drops them, so autograd can take the [V, d]
+        # weight gradient as it is instead of copying it into .grad
+        ctx.grads = (grad_h, grad_w, grad_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(ce_sum, kd_sum)
         return ce_total + kd_scale * kd_sum, ce_sum, kd_sum
 
     @staticmethod
     def backward(ctx, grad_total, _grad_ce, _grad_kd):
-        grads = ctx.saved_tensors  # d total / d (hidden, weight, bias), for grad_total = 1
+        grads, ctx.grads = ctx.grads, None  # d total / d (hidden, weight, bias), for grad_total = 1
         one = bool(grad_total == 1)  # the usual case (loss.backward()): no [V, d]-sized copy
         grad_h, grad_w, grad_b = (
             None if g is None else (g if one else g * grad_total).to(dtype)
