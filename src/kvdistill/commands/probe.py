@@ -141,7 +141,8 @@ def plot_probe(cells: Sequence[dict[str, Any]], path: Path, *, title: str, metri
             S[r, c["layer"]] = c["score"]
         shuffled = max(c["shuffled"] for c in mine)
         labels.append(f"{key[0]} · {key[1]}  (base {mine[0]['baseline']:.2f}, shuffled ≤ {shuffled:.2f})")
-    fig, ax = plt.subplots(figsize=(min(max(6.0, 4.5 + 0.7 * n_layers), 18), min(max(3.0, 1.2 + 0.35 * len(rows)), 16)))
+    width = 2.0 + 0.06 * max(map(len, labels)) + 0.7 * n_layers  # the row labels, the cells, the colourbar
+    fig, ax = plt.subplots(figsize=(min(width, 20), min(max(3.0, 1.4 + 0.35 * len(rows)), 16)), layout="constrained")
     vmin = min(0.0, float(np.nanmin(S)))
     im = ax.imshow(S, aspect="auto", cmap="viridis", vmin=vmin, vmax=1.0, interpolation="nearest")
     fig.colorbar(im, ax=ax, label=f"held-out {metric}")
@@ -211,7 +212,7 @@ def main(argv: list[str]) -> int:
                            **{k: first[k] for k in ("n_train", "n_test", "n_train_items", "n_test_items")}})
             cells += model_cells(label, result)
         del model, variants
-    title = f"linear probe of {a.target} at {a.rows} rows: held-out {metric} ({len(records)} records, seed {a.seed})"
+    title = f"linear probe of {a.target} at {a.rows} rows\nheld-out {metric}, {len(records)} records of {a.split}, seed {a.seed}"
     png = plot_probe(cells, out / "probe.png", title=title, metric=metric)
     write_json_atomic(out / "probe.json", {
         "format": FORMAT, "target": a.target, "rows": a.rows, "readout": a.readout, "metric": metric,
