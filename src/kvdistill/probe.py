@@ -48,6 +48,7 @@ from kvdistill import fields as token_fields
 from kvdistill.cache import ANSWER, PROMPT, REASONING, capture_pre_rope_keys, forward_with_kv
 from kvdistill.data import DEFAULT_TEMPLATE, DataError, DistillCollator, format_example
 from kvdistill.fields import IGNORE
+from kvdistill.models import model_device
 
 KINDS = ("k_pre", "k_post", "v", "hidden")
 TARGETS = ("next_answer_token", "number_value")  # and field:<name>
@@ -221,7 +222,7 @@ def collect_rows(
                             f"reads; write it in the records' {token_fields.FIELD_KEY} or probe another target")
     records = [with_text_fields(r, template, tokenizer, use_chat_template, need) for r in records]
     collate = DistillCollator(tokenizer, max_length, template, use_chat_template)
-    device = next(model.parameters()).device
+    device = model_device(model)
     was_training = model.training
     model.eval()
     feats: dict[str, list[Tensor]] = {k: [] for k in kinds}

@@ -39,6 +39,9 @@ def test_command_writes_json_and_heatmap_with_the_untrained_row(tiny_world, tmp_
         assert cell["n_train"] > 0 and cell["n_test"] > 0
         assert ("heads" in cell) == (cell["kind"] != "hidden")
     teacher_v = [c for c in res["cells"] if c["model"] == "llama_teacher" and c["kind"] == "v"]
+    untrained_v = [c for c in res["cells"] if c["model"] == "llama_teacher (untrained)" and c["kind"] == "v"]
+    assert [c["score"] for c in teacher_v] != [c["score"] for c in untrained_v]  # other weights, same config
+    assert res["models"][0]["config_hash"] == res["models"][1]["config_hash"]
     assert len(teacher_v[0]["heads"]["score"]) == 2  # the teacher's 2 KV heads
     prov = res["provenance"]
     assert prov["seed"] == 0 and prov["samples"] == 16 and "torch" in prov["environment"]
@@ -79,3 +82,18 @@ def test_a_directory_that_is_not_a_model_is_one_line_and_exit_2(tiny_world, tmp_
     assert cli_main(["probe", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not_a_model" in err and err.startswith("kvdistill probe: error:")
+
+
+def test_yaml_options_with_cli_overrides(tmp_path):
+    from kvdistill.commands.probe import ProbeConfig
+    from kvdistill.config import parse_config
+
+    cfg = tmp_path / "probe.yaml"
+    cfg.write_text("model: [a, b]\nkinds: [v, hidden]\ntarget: next_answer_token\noutput_dir: out\nuntrained: true\n")
+    a = parse_config(ProbeConfig, ["--config", str(cfg), "--target", "field:chain", "--rows", "results"], "probe")
+    assert (a.model, a.kinds, a.target, a.rows, a.untrained) == (["a", "b"], ["v", "hidden"], "field:chain",
+                                                                   "results", True)
+    one = parse_config(ProbeConfig, ["--model", "a", "--kinds", "k_pre", "k_post", "--output_dir", "o"], "probe")
+    assert (one.model, one.kinds) == (["a"], ["k_pre", "k_post"])
+    with pytest.raises(ConfigError, match="each kind must be one of"):
+        parse_config(ProbeConfig, ["--model", "a", "--kinds", "keys", "--output_dir", "o"], "probe")
