@@ -597,3 +597,73 @@ def test_evidence_configs_load_and_their_committed_reports_render():
         report.pop("environments", None)  # older reports stored them as strings
         md = ablate.render_markdown(report)
         assert "| Welch p (seeds) |" in md and "## Runs" in md
+
+
+# ----------------------------------------------------------------------------- attention KL and the row split
+# (issue 30 item 3: the right teacher and each control compared on the rows `relation_rows` selects)
+
+
+SPLIT_KL = {"right": (0.1, 0.5), "control": (0.4, 0.5)}  # variant -> (selected, other) KL to teacher t
+
+
+class SplitRuns(FakeRuns):
+    """Runs that log, per teacher, the attention KL and the KL on the selected vs the other rows; the
+    `final` in train_summary.json is what the trainer writes (`train.curves.final_metrics` of the log)."""
+
+    def train(self, argv):
+        from kvdistill.train.curves import final_metrics
+
+        super().train(argv)
+        out = Path(self.trained[-1])
+        sel, other = SPLIT_KL.get(out.parent.name, (None, None))
+        seed = int(out.name.split("_")[1])
+        rows = [{"step": s, "loss": 1.0, "ce": 1.0, **({} if sel is None else {
+            "attention_kl/t": sel + 0.2, "attention_kl_selected/t": sel + 0.01 * seed,
+            "attention_kl_other/t": other, "attention_kl_selected/u": 9.0, "attention_kl_other/u": 8.0})}
+            for s in (1, 2)]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (out / "train_summary.json").write_text(json.dumps({"final": final_metrics(out / "metrics.jsonl"),
+                                                            "global_step": 2}))
+        return 0
+
+
+def test_final_metrics_keep_the_attention_kl_and_the_row_split_per_teacher(tmp_path):
+    from kvdistill.train.curves import final_metrics
+
+    rows = [{"step": 1, "loss": 1.0, "attention_kl/a": 9.0},
+            {"step": 2, "loss": 1.0, "attention_kl/a": 0.2, "attention_kl/b": 0.4, "relation_kl_selected/a": 0.1,
+             "relation_kl_other/a": 0.3, "relation_kl_selected/b": 0.5, "relation_kl_other/b": 0.7}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    final = final_metrics(tmp_path / "m.jsonl")
+    assert final["attention_kl"] == pytest.approx(0.3) and final["relation_kl_selected"] == pytest.approx(0.3)
+    assert final["relation_kl_other"] == pytest.approx(0.5) and final["relation_kl"] is None
+    assert final["attention_kl/b"] == 0.4 and final["relation_kl_other/a"] == 0.3
+    assert final["attention_kl_selected"] is None
+
+
+def test_report_compares_teacher_and_control_on_the_selected_rows(tmp_path):
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
+    abl = _write_yaml(tmp_path / "a.yaml", {
+        "base_config": "train.yaml", "output_dir": str(tmp_path / "out"), "seeds": [0, 1],
+        "variants": ["baseline", {"name": "right", "overrides": {"kv_weight": 0.1}},
+                     {"name": "control", "overrides": {"kv_weight": 0.1, "teacher_control": "untrained"}}]})
+    fake = SplitRuns({"baseline": 0.3, "right": 0.3, "control": 0.3})
+    report = run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    right, control = report["variants"]["right"], report["variants"]["control"]
+    assert right["agreement"]["attention_kl_selected/t"]["mean"] == pytest.approx(0.105)
+    assert right["agreement"]["attention_kl_other/t"] == {"mean": 0.5, "std": 0.0, "n": 2}
+    assert control["agreement"]["attention_kl_selected/t"]["mean"] == pytest.approx(0.405)
+    assert right["agreement"]["attention_kl"]["mean"] == pytest.approx(0.3)  # over teachers t (0.3)
+    assert report["variants"]["baseline"]["agreement"] == {}
+    assert right["runs"]["1"]["agreement"]["attention_kl_selected/t"] == pytest.approx(0.11)
+    md = (tmp_path / "out" / "ablation.md").read_text()
+    assert "## KL on the selected rows vs the other rows" in md
+    split = md.split("## KL on the selected rows vs the other rows")[1]
+    assert f"| {right['label']} | t | attention | 0.1050 ± 0.0071 | 0.5000 ± 0.0000 |" in split
+    assert f"| {control['label']} | t | attention | 0.4050 ± 0.0071 | 0.5000 ± 0.0000 |" in split
+    assert f"| {control['label']} | u | attention | 9.0000 ± 0.0000 | 8.0000 ± 0.0000 |" in split
+    # the final-agreement column shows the attention KL of a run without a relation KL
+    lines = md.splitlines()
+    assert any(ln.startswith(f"| {right['label']} | 2 | ") and "| – | 0.3000 ± 0.0000 | 3.00" in ln for ln in lines)
+    assert any(ln.startswith(f"| {right['label']} | 1 | ") and "| – | – | 0.3000 | 1.000 |" in ln for ln in lines)
+    assert json.loads((tmp_path / "out" / "ablation.json").read_text())["variants"]["right"]["agreement"]

@@ -739,6 +739,7 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
     for name, per_seed in runs.items():  # the continuous metrics: answer NLL, steps to the threshold
         for s, r in per_seed.items():
             r["answer_nll"] = read_json(run_dir(cfg, name, s) / "eval" / "summary.json", {}).get("answer_nll")
+            r["agreement"] = _agreement(read_json(run_dir(cfg, name, s) / TRAIN_SUMMARY, {}).get("final") or {})
             r["steps"] = steps_to_threshold(r["metrics"], cfg.threshold, r["global_step"]) if cfg.threshold else None
     variants: dict[str, Any] = {}
     for v in cfg.variants:
@@ -749,6 +750,10 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
         for key in ("accuracy", "answer_nll", "cos_sim", "relation_kl", "perplexity", "ce", "kv_loss"):
             mean, std, n = mean_std([r[key] for r in per_seed.values()])
             row[key] = {"mean": mean, "std": std, "n": n}
+        # attention KL and the selected/other-row split, over teachers and per teacher, mean ± std over seeds
+        row["agreement"] = {k: dict(zip(("mean", "std", "n"), mean_std([r["agreement"].get(k) for r in
+                                                                         per_seed.values()])))
+                            for k in sorted({k for r in per_seed.values() for k in r["agreement"]})}
         row["runs"] = {
             str(s): {
                 k: r[k]
@@ -765,6 +770,7 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
                     "global_step",
                     "answer_nll",
                     "steps",
+                    "agreement",
                 )
             }
             for s, r in sorted(per_seed.items())
@@ -854,7 +860,8 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
                   f"{delta}, paired t-test p {tp} (Welch p {wp}), permutation p {pp}, bootstrap 95 % CI {ci} — "
                   f"{verdict} at p < 0.05 on both paired tests.", ""]
     lines += [
-        "| variant | seeds | accuracy | cos-sim | relation KL | perplexity | reference | Δ acc | t-test p (seeds) "
+        "| variant | seeds | accuracy | cos-sim | relation / attention KL | perplexity | reference | Δ acc "
+        "| t-test p (seeds) "
         "| Welch p (seeds) | permutation p (items) | bootstrap 95 % CI of Δ (items) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -864,8 +871,9 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         ref = label.get(row.get("reference"), "–") if cmp_ else "–"
         lines.append(
             f"| {row['label']} | {len(row['seeds'])} | {_pm(row['accuracy'])} | {_pm(row['cos_sim'])} "
-            f"| {_pm(row.get('relation_kl', {}), 4)} | {_pm(row['perplexity'], 2)} | {ref} | " + " | ".join(cells) + " |"
+            f"| {_pm(_kl(row), 4)} | {_pm(row['perplexity'], 2)} | {ref} | " + " | ".join(cells) + " |"
         )
+    lines += render_row_split(rows)
     controlled = {n: r for n, r in rows.items() if r.get("controls")}
     if controlled:
         lines += ["", "## Against the controls", "",
@@ -911,7 +919,8 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         "",
         "## Runs",
         "",
-        "| variant | seed | accuracy | 95 % CI | n | answer NLL | cos-sim | relation KL | CE | perplexity | steps "
+        "| variant | seed | accuracy | 95 % CI | n | answer NLL | cos-sim | relation / attention KL | CE "
+        "| perplexity | steps "
         "| threshold at |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -920,7 +929,7 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
             lines.append(
                 f"| {row['label']} | {seed} | {fmt_num(r['accuracy'])} | [{fmt_num(r['ci_low'])}, {fmt_num(r['ci_high'])}] "
                 f"| {r['n']} | {fmt_num(r.get('answer_nll'))} | {fmt_num(r['cos_sim'])} "
-                f"| {fmt_num(r.get('relation_kl'), 4)} | {fmt_num(r['ce'])} | {fmt_num(r['perplexity'], 2)} "
+                f"| {fmt_num(_kl(r), 4)} | {fmt_num(r['ce'])} | {fmt_num(r['perplexity'], 2)} "
                 f"| {r['global_step'] if r['global_step'] is not None else '–'} | {fmt_reached(r.get('steps'))} |"
             )
     lines += ["", "## Variants", ""]
@@ -934,6 +943,39 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         for title, fname in plots.items():
             lines.append(f"![{title}]({fname})")
     return "\n".join(lines) + "\n"
+
+
+def _agreement(final: Mapping[str, Any]) -> dict[str, float]:
+    """A run's final attention KL and its selected/other-row KL split (`<loss>_kl_selected` / `_other`),
+    over teachers and per teacher (`/<teacher>`), from train_summary's `final` (`train.curves.final_metrics`)."""
+    return {k: v for k, v in final.items() if v is not None and k.split("/")[0].startswith(("attention_kl",
+                                                                                              "relation_kl_"))}
+
+
+def _kl(row: Mapping[str, Any]) -> Any:
+    """A variant's (or run's) final relation KL, else its attention KL (a run has one kv_loss)."""
+    rel = row.get("relation_kl")
+    has = rel.get("n", 0) if isinstance(rel, Mapping) else rel is not None
+    return rel if has else (row.get("agreement") or {}).get("attention_kl")
+
+
+def render_row_split(rows: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The KL on the rows `relation_rows` selects vs the other valid rows, per variant and teacher: the right
+    teacher and each control compared on the rows that can carry the knowledge. Empty when none logged it."""
+    lines = []
+    for row in rows.values():
+        agree = row.get("agreement") or {}
+        for key in sorted(k for k in agree if "_kl_selected/" in k):
+            loss, _, teacher = key.partition("_kl_selected/")
+            lines.append(f"| {row['label']} | {teacher} | {loss} | {_pm(agree[key], 4)} "
+                         f"| {_pm(agree.get(key.replace('_selected/', '_other/')), 4)} |")
+    if not lines:
+        return []
+    return ["", "## KL on the selected rows vs the other rows", "",
+            "Final KL to each teacher (mean ± std over seeds) on the rows `relation_rows` selects and on the other "
+            "valid rows: a teacher that carries the knowledge should be matched better where it matters than its "
+            "controls are.", "",
+            "| variant | teacher | loss | KL selected rows | KL other rows |", "|---|---|---|---|---|", *lines]
 
 
 def _metric(row: Mapping[str, Any], key: str) -> float | None:

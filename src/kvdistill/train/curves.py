@@ -19,12 +19,18 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [r for r in read_jsonl(path) if "loss" in r]
 
 
+# the teacher agreement logged per teacher (`<key>/<teacher>`): cos-sim (projected KV losses), relation /
+# attention KL, and the KL on the rows `relation_rows` selects vs the other valid rows
+AGREEMENT = ("cos_sim", "relation_kl", "attention_kl", "relation_kl_selected", "relation_kl_other",
+             "attention_kl_selected", "attention_kl_other")
+
+
 def final_metrics(path: str | Path) -> dict:
-    """Last logged CE, KV loss and the teacher agreement, averaged over teachers: cos-sim
-    (projected KV losses) and relation KL (relation loss); None where not logged."""
+    """Last logged CE, KV loss and the teacher agreement (`AGREEMENT`), each averaged over teachers and
+    per teacher (`<key>/<teacher>`); None where not logged."""
     rows = read_metrics(path)
     if not rows:
-        return {"ce": None, "kv_loss": None, "cos_sim": None, "relation_kl": None}
+        return {"ce": None, "kv_loss": None, **dict.fromkeys(AGREEMENT)}
     last = rows[-1]
 
     def mean_of(prefix: str) -> float | None:
@@ -35,9 +41,8 @@ def final_metrics(path: str | Path) -> dict:
         "ce": last.get("ce"),
         "kv_loss": last.get("kv_loss"),
         "logit_kd": last.get("logit_kd"),
-        "cos_sim": mean_of("cos_sim/"),
-        "relation_kl": mean_of("relation_kl/"),
-        **{k: v for k, v in last.items() if k.startswith(("cos_sim/", "norm_ratio/", "relation_kl/"))},
+        **{key: mean_of(f"{key}/") for key in AGREEMENT},
+        **{k: v for k, v in last.items() if k.startswith(tuple(f"{key}/" for key in (*AGREEMENT, "norm_ratio")))},
     }
 
 
