@@ -20,15 +20,17 @@ def test_ridge_equals_lstsq_on_the_augmented_system():
     g = torch.Generator().manual_seed(1)
     X = torch.randn(3, 50, 7, generator=g, dtype=torch.float64)
     Y = torch.randn(50, 4, generator=g, dtype=torch.float64)
-    lam = torch.tensor([0.01, 0.5, 3.0], dtype=torch.float64)
-    W = probe.ridge(X, Y, lam)  # [3, 7, 4]
-    for i in range(3):
-        A = np.vstack([X[i].numpy(), np.sqrt(50 * lam[i].item()) * np.eye(7)])
-        B = np.vstack([Y.numpy(), np.zeros((7, 4))])
-        ref = np.linalg.lstsq(A, B, rcond=None)[0]
-        np.testing.assert_allclose(W[i].numpy(), ref, rtol=1e-9, atol=1e-10)
-    # a per-problem target and a scalar lambda give the same as the shared one
-    torch.testing.assert_close(probe.ridge(X, Y.expand(3, 50, 4), 0.5)[1], W[1])
+    lambdas = (0.01, 0.5, 3.0)
+    W = probe.ridge(X, Y, lambdas)  # [Λ, G, F, C]
+    assert W.shape == (3, 3, 7, 4)
+    for j, lam in enumerate(lambdas):
+        for i in range(3):
+            A = np.vstack([X[i].numpy(), np.sqrt(50 * lam) * np.eye(7)])
+            B = np.vstack([Y.numpy(), np.zeros((7, 4))])
+            ref = np.linalg.lstsq(A, B, rcond=None)[0]
+            np.testing.assert_allclose(W[j, i].numpy(), ref, rtol=1e-9, atol=1e-10)
+    # a per-problem target gives the same as the shared one
+    torch.testing.assert_close(probe.ridge(X, Y.expand(3, 50, 4), lambdas), W)
 
 
 def _items(n_items: int, rows_per_item: int) -> torch.Tensor:

@@ -263,35 +263,37 @@ def split_items(num_items: int, train_fraction: float, seed: int = 0) -> Tensor:
     return train
 
 
-def ridge(X: Tensor, Y: Tensor, lam: Tensor | float) -> Tensor:
-    """Ridge weights `W = argmin (1/n)·‖X W − Y‖² + λ‖W‖²` for a batch of problems (no intercept: centre first).
+def ridge(X: Tensor, Y: Tensor, lambdas: Sequence[float]) -> Tensor:
+    """Ridge weights `W = argmin (1/n)·‖X W − Y‖² + λ‖W‖²` for a batch of problems and several λ (no
+    intercept: centre first).
 
     Args:
         X: `[G, n, F]` features (G independent problems, e.g. layers).
         Y: `[n, C]` targets shared by all problems, or `[G, n, C]`.
-        lam: λ, a float or `[G]`.
+        lambdas: the Λ ridge strengths.
 
     Returns:
-        `[G, F, C]`, from one batched solve of the normal equations `(XᵀX/n + λI) W = XᵀY/n`.
+        `[Λ, G, F, C]`: the normal equations `(XᵀX/n + λI) W = XᵀY/n`, their Gram built once, one
+        batched solve over G per λ.
     """
-    G, n, F = X.shape
-    lam = torch.as_tensor(lam, dtype=X.dtype, device=X.device).expand(G)
-    A = X.mT @ X / n + lam[:, None, None] * torch.eye(F, dtype=X.dtype, device=X.device)  # [G, F, F]
+    n, F = X.shape[1:]
+    A = X.mT @ X / n  # [G, F, F]
     B = X.mT @ Y / n  # [G, F, C]
-    return torch.linalg.solve(A, B)
+    eye = torch.eye(F, dtype=X.dtype, device=X.device)
+    return torch.stack([torch.linalg.solve(A + lam * eye, B) for lam in lambdas])
 
 
-def _fit_predict(X: Tensor, Y: Tensor, fit: Tensor, test: Tensor, lam: Tensor | float) -> Tensor:
-    """Centre on the `fit` rows (the intercept), solve, predict the `test` rows: `[G, n_test, C]`."""
+def _fit_predict(X: Tensor, Y: Tensor, fit: Tensor, test: Tensor, lambdas: Sequence[float]) -> Tensor:
+    """Centre on the `fit` rows (the intercept), solve for every λ, predict the `test` rows: `[Λ, G, n_test, C]`."""
     Xf = X[:, fit]  # [G, n_fit, F]
     x_mean, y_mean = Xf.mean(1, keepdim=True), Y[fit].mean(0)  # [G, 1, F], [C]
-    W = ridge(Xf - x_mean, Y[fit] - y_mean, lam)  # [G, F, C]
+    W = ridge(Xf - x_mean, Y[fit] - y_mean, lambdas)  # [Λ, G, F, C]
     return (X[:, test] - x_mean) @ W + y_mean
 
 
 def _score(pred: Tensor, y: Tensor, classification: bool) -> Tensor:
     """Accuracy (argmax of the class scores vs the class index; -1, a class unseen in training, is always
-    wrong) or R² of `pred [G, n, C]` against `y [n]`: `[G]`."""
+    wrong) or R² of `pred [..., n, C]` against `y [n]`: `[...]`."""
     if classification:
         return (pred.argmax(-1) == y).double().mean(-1)
     resid = ((pred[..., 0] - y) ** 2).sum(-1)  # [G]
@@ -372,11 +374,8 @@ def fit_probe(
 
     def scores(fit: Tensor, rows: Tensor) -> Tensor:
         """Held-out score of every λ, variant and problem: `[Λ, S+1, G]`."""
-        out = []
-        for lam in lambdas:  # each λ one batched solve over G problems and all variants
-            pred = _fit_predict(X, Ys, fit, rows, lam).unflatten(-1, (len(perms), C))  # [G, n, S+1, C]
-            out.append(torch.stack([_score(pred[:, :, s], ys[s, rows], classification) for s in range(len(perms))]))
-        return torch.stack(out)
+        pred = _fit_predict(X, Ys, fit, rows, lambdas).unflatten(-1, (len(perms), C))  # [Λ, G, n, S+1, C]
+        return torch.stack([_score(pred[..., s, :], ys[s, rows], classification) for s in range(len(perms))], 1)
 
     best = scores(inner, val).argmax(0)  # [S+1, G]: the λ each variant and problem picks on the inner split
     held_out = scores(train, test).gather(0, best[None])[0]  # [S+1, G]
