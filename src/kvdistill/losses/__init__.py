@@ -4,12 +4,14 @@
 |---|---|
 | `kv` | projected KV matching: mse, smooth_l1, cosine, mercator, hybrid, structural (`KVLoss`) |
 | `relation` | MiniLMv2-style self-relation KL over time, no projector (`RelationKVLoss`) |
+| `attention` | attention-map KL: the teacher's softmax(Q Kᵀ/√d) matched by the student's (`AttentionMapLoss`) |
 | `logits` | the student's LM cross-entropy, logit KD (forward/reverse KL, generalized JSD) |
 | `chunked` | CE + logit KD from hidden states a chunk of tokens at a time (`chunked_head_loss`) |
 | `cross_vocab` | logit KD across tokenizers: shared boundaries, shared tokens, ULD sorted probabilities |
 | `hidden` | CODI hidden-state alignment at the answer marker |
 """
 
+from kvdistill.losses.attention import AttentionMapLoss, aligned_attention_loss
 from kvdistill.losses.chunked import chunked_head_loss, resolve_chunk_tokens
 from kvdistill.losses.cross_vocab import cross_vocab_kd_sum, shared_boundaries, vocab_intersection
 from kvdistill.losses.hidden import answer_position, codi_sum
@@ -20,8 +22,10 @@ from kvdistill.losses.relation import RelationKVLoss
 __all__ = [
     "LOGIT_KD_KINDS",
     "LOSSES",
+    "AttentionMapLoss",
     "KVLoss",
     "RelationKVLoss",
+    "aligned_attention_loss",
     "aligned_kv_loss",
     "answer_position",
     "build_kv_loss",
