@@ -495,6 +495,10 @@ class KVDistillConfig(TrainingArguments):
         if not (self.lmbda > 0 or self.seq_kd):
             return
         what = "lmbda > 0" if self.lmbda > 0 else "seq_kd"
+        if self.lmbda > 0 and self.transfer_lm_weight > 0:  # its samples are unlabelled rows, as transfer records
+            raise ConfigError("lmbda > 0 with transfer_lm_weight > 0 would give the student an LM loss on its own "
+                              "samples; set transfer_lm_weight: 0 (on-policy steps teach through teachers only) or "
+                              "lmbda: 0 (seq_kd learns a teacher's text)")
         if not self.teacher_signal:
             raise ConfigError(f"{what} teaches the student from its teachers on generated text; set a teacher signal "
                               "(logit_kd_weight, kv_weight or codi_weight > 0) with at least one teacher")
