@@ -298,6 +298,18 @@ def char_segments(f: Formatted) -> Tensor:
     return seg
 
 
+def token_segments(tokenizer: Any, f: Formatted, chat: bool) -> tuple[list[int], Tensor, Tensor]:
+    """Tokenize `f.text` (no special tokens added under a chat template: it holds its own) and place
+    every token in a segment. Returns `ids`, `ends [T]` (each token's last character, -1 for special
+    tokens) and `seg [T]`. A token belongs to the segment of its *last* character: " 17" after the
+    prompt's "Answer:" is a reasoning token, so the LM loss learns to emit it; special tokens read
+    as prompt, and cummax gives one after the prompt (a chat template's end-of-turn) its neighbour's."""
+    enc = tokenizer(f.text, return_offsets_mapping=True, add_special_tokens=not chat, truncation=False)
+    ends = torch.tensor([e - 1 if e > s else -1 for s, e in enc["offset_mapping"]], dtype=torch.long)  # [T]
+    seg = torch.where(ends >= 0, char_segments(f)[ends.clamp(min=0)], torch.tensor(PROMPT))  # [T]
+    return list(enc["input_ids"]), ends, torch.cummax(seg, dim=0).values
+
+
 def tokenize_example(
     tokenizer: Any,
     record: Mapping[str, Any],
@@ -321,20 +333,10 @@ def tokenize_example(
             "(`return_offsets_mapping`); load it with use_fast=True"
         )
     f = format_example(record, template, tokenizer if use_chat_template else None, rationale_field)
-    chat = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
-    # a chat template already holds its special tokens (BOS etc.); do not add them twice
-    enc = tokenizer(f.text, return_offsets_mapping=True, add_special_tokens=not chat, truncation=False)
-    ids = list(enc["input_ids"])
-    # a token belongs to the segment of its *last* character: " 17" after the prompt's
-    # "Answer:" is a reasoning token, so the LM loss learns to emit it.
-    ends = torch.tensor([max(e - 1, 0) if e > s else -1 for s, e in enc["offset_mapping"]], dtype=torch.long)
-    chars = char_segments(f)
-    seg = torch.where(ends >= 0, chars[ends.clamp(min=0)], torch.tensor(PROMPT))  # special tokens
+    ids, ends, seg = token_segments(tokenizer, f, use_chat_template and bool(getattr(tokenizer, "chat_template", None)))
     if ids and tokenizer.eos_token_id is not None and ids[-1] != tokenizer.eos_token_id:
         ids.append(tokenizer.eos_token_id)  # the model learns to stop after the answer
         seg = torch.cat([seg, torch.tensor([ANSWER])])
-    # specials after the prompt (e.g. a chat template's end-of-turn) keep their neighbour's segment
-    seg = torch.cummax(seg, dim=0).values
     if len(ids) > max_length:
         warnings.warn(
             f"an example of {len(ids)} tokens was cut to max_length={max_length}; its answer may be lost "

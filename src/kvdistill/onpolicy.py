@@ -40,9 +40,9 @@ from kvdistill.data import (
     DEFAULT_TEMPLATE,
     DataError,
     Formatted,
-    char_segments,
     format_prompt,
     pad_batch,
+    token_segments,
 )
 from kvdistill.evaluate.scoring import eos_token_ids, generate_batch
 from kvdistill.models import model_device
@@ -186,13 +186,8 @@ def tokenize_completion(
     chat = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
     f = completion_segments(format_prompt(str(record["question"]), template, tokenizer if chat else None),
                             str(record["answer"]))
-    enc = tokenizer(f.text, return_offsets_mapping=True, add_special_tokens=not chat, truncation=False)
-    spans = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)  # [T, 2] char start, end
-    real = spans[:, 1] > spans[:, 0]  # special tokens have an empty span
-    ends = torch.where(real, spans[:, 1] - 1, -1)  # [T] each token's last character (-1: a special token)
-    # special tokens read as prompt; cummax gives a special after the prompt its neighbour's segment
-    seg = torch.where(real, char_segments(f)[ends.clamp(min=0)], PROMPT).cummax(0).values
-    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+    ids, ends, seg = token_segments(tokenizer, f, chat)
+    ids = torch.tensor(ids, dtype=torch.long)  # [T]
     if record["finished"] and tokenizer.eos_token_id is not None:
         # an empty completion's EOS is still the student's choice, so it is a target too (reasoning)
         last = max(int(seg[-1]) if len(seg) else PROMPT, REASONING)
