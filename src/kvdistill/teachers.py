@@ -109,6 +109,10 @@ class TeacherCache:
     def has(self, key: tuple, index: Tensor) -> bool:
         return all((*key, int(i)) in self.store for i in index)
 
+    def take(self, key: tuple, index: int) -> dict[str, Tensor]:
+        """Remove and return one record's entry (a capture writes it out and keeps no copy)."""
+        return self.store.pop((*key, index))
+
     def put(self, key: tuple, index: Tensor, kv: KVCache, logits: Tensor | None) -> None:
         lengths = kv.attention_mask.sum(1).tolist()  # right padding: the first n tokens are real
         for b, (i, n) in enumerate(zip(index.tolist(), lengths)):

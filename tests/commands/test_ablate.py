@@ -126,7 +126,8 @@ class FakeRuns:
 
 
 def test_runner_report_and_resume_with_synthetic_runs(tmp_path):
-    base = _write_yaml(tmp_path / "train.yaml", {"student": "s", "kv_weight": 0.1, "max_steps": 99})
+    base = _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0.1,
+                                                   "max_steps": 99})
     abl = _write_yaml(
         tmp_path / "ablation.yaml",
         {
@@ -198,7 +199,7 @@ def test_runner_report_and_resume_with_synthetic_runs(tmp_path):
 
 
 def test_failed_run_raises_or_is_reported(tmp_path):
-    _write_yaml(tmp_path / "train.yaml", {"student": "s"})
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
     abl = _write_yaml(
         tmp_path / "a.yaml",
         {
@@ -248,7 +249,7 @@ def test_failed_capture_fails_only_the_runs_that_read_it(tmp_path, monkeypatch):
 
 
 def test_config_errors(tmp_path):
-    _write_yaml(tmp_path / "train.yaml", {"student": "s"})
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
     with pytest.raises(ConfigError, match="unknown key 'sedes'; did you mean 'seeds'"):
         load_ablation_config(_write_yaml(tmp_path / "a.yaml", {"base_config": "train.yaml", "sedes": [1]}))
     with pytest.raises(AblationError, match="baseline"):
@@ -326,7 +327,7 @@ def test_ablation_end_to_end_on_tiny_fixtures(tiny_world, tmp_path, capsys):
 
 
 def test_controls_references_and_the_primary_comparison(tmp_path):
-    _write_yaml(tmp_path / "train.yaml", {"student": "s"})
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
     abl = _write_yaml(tmp_path / "a.yaml", {
         "base_config": "train.yaml", "output_dir": str(tmp_path / "out"), "seeds": [0, 1, 2, 3, 4],
         "variants": ["baseline", "relation", "relation_untrained", "relation_shuffled", "sft_no_rationale",
@@ -358,7 +359,7 @@ def test_controls_references_and_the_primary_comparison(tmp_path):
 
 
 def test_reference_must_be_run(tmp_path):
-    _write_yaml(tmp_path / "train.yaml", {"student": "s"})
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
     abl = _write_yaml(tmp_path / "a.yaml", {"base_config": "train.yaml", "variants": ["baseline", "privileged_kv"]})
     with pytest.raises(AblationError, match="sft_no_rationale"):
         load_ablation_config(abl)

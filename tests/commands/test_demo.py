@@ -95,3 +95,24 @@ def test_quality_gate_names_the_teacher(tmp_path):
     out = tmp_path / "demo"
     with pytest.raises(SystemExit, match=r"quality gate: teacher teacher_qwen2 reached .* below the 0.99 gate"):
         demo_main(["--quick", "--output_dir", str(out), "--gate", "0.99"])
+
+
+def test_progress_line_reads_a_trainings_steps_and_extrapolates_its_eta(tmp_path):
+    from kvdistill.commands.demo import progress_line
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 10, "loss": 1.0}\n{"step": 20, "loss": 0.9}\n')
+    (tmp_path / "c.yaml").write_text("max_steps: 100\n")
+    argv = ["train", "--config", str(tmp_path / "c.yaml"), "--output_dir", str(run)]
+    assert progress_line("sft", argv, 40.0) == "    sft: kvdistill train, step 20/100, 40 s, ETA 160 s"
+    assert progress_line("sft", [*argv, "--max_steps", "40"], 40.0).endswith("step 20/40, 40 s, ETA 40 s")
+    assert progress_line("ev", ["eval", "--model", "m"], 7.2) == "    ev: kvdistill eval, 7 s"
+
+
+def test_run_parallel_prints_progress_while_jobs_run(tmp_path, capsys, monkeypatch):
+    from kvdistill.commands import demo
+
+    monkeypatch.setattr(demo, "PROGRESS_S", 0)  # every poll: the job below runs for seconds (imports)
+    run_parallel({"slow": [["gen-data", "--help"]]}, 1, tmp_path / "logs")
+    assert "    slow: kvdistill gen-data, " in capsys.readouterr().out

@@ -44,6 +44,7 @@ import json
 import math
 import multiprocessing
 import re
+import tempfile
 import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -442,6 +443,21 @@ def make_capture(rdir: str, made: dict[str, dict]) -> tuple[dict[str, dict], lis
     return made, lines
 
 
+def check_variants(cfg: AblationConfig) -> None:
+    """Parse every variant's full train config (at its first seed) as `kvdistill train` will: a typo or a
+    bad value in one variant's overrides fails before the first run, not after the variants before it
+    trained."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in cfg.variants:
+            path = Path(tmp) / f"{v.name}.yaml"
+            write_text_atomic(path, yaml.safe_dump(train_config_for(cfg, v, cfg.seeds[0]), sort_keys=False,
+                                                   allow_unicode=True))
+            try:
+                parse_train_config(["--config", str(path)])
+            except ConfigError as err:
+                raise AblationError(f"variant {v.name}: {str(err).replace(f'{path}: ', '')}") from None
+
+
 def _default_train(argv: list[str]) -> int:
     from kvdistill.commands.train import main as train_main
 
@@ -613,6 +629,7 @@ def run_ablation(
     out.mkdir(parents=True, exist_ok=True)
     # before any run: the hypothesis and primary test are fixed, or this output dir is refused
     preregister(out, preregistration(cfg), any((out / "runs").glob(f"*/seed_*/{ASKED_CONFIG}")), log)
+    check_variants(cfg)
     # seed-major order: a partial ablation already holds complete seeds for every variant
     jobs = [(v, s) for s in cfg.seeds for v in cfg.variants]
     todo: list[_Job] = []
@@ -1040,6 +1057,10 @@ def main(argv: list[str]) -> int:
         for name, members in VARIANT_SETS.items():
             print(f"set {name:<14} {', '.join(members)}")
         return 0
+    if cfg.report_only and not any(evaluated(run_dir(cfg, v.name, s) / EVAL_DIR) for v in cfg.variants
+                                   for s in cfg.seeds):
+        raise AblationError(f"--report_only: {cfg.output_dir} holds no finished run of this ablation's variants and "
+                            "seeds; run the ablation first, or pass the --output_dir it ran in")
     check_output_dir(cfg.output_dir)
     if cfg.report_only:
         report = summarize(cfg)

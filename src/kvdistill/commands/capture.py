@@ -92,7 +92,7 @@ def run_capture(cfg: KVDistillConfig, log=print, made: dict[str, dict] | None = 
                 kv = compress_rationale(kv, cfg.capture_keep, cfg.capture_compression, cfg.compression_lambda,
                                         generator)
                 teachers.cache.put(keys[t.name], batch["index"], kv, None)
-            entries[t.name] += [(int(i), teachers.cache.store.pop((*keys[t.name], int(i)))) for i in batch["index"]]
+            entries[t.name] += [(int(i), teachers.cache.take(keys[t.name], int(i))) for i in batch["index"]]
         if (j + 1) % per_shard == 0 or j + 1 == n_batches:
             for name, writer in writers.items():
                 if entries[name]:

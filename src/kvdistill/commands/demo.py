@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from kvdistill.config import ConfigError, check_output_dir, option, parse_config
+from kvdistill.config import ConfigError, check_output_dir, option, parse_config, read_yaml
 from kvdistill.data import format_example
 from kvdistill.io import REPO_ROOT, read_json, read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.report import format_environment
@@ -137,36 +137,63 @@ def config_path(name: str) -> Path:
     return path
 
 
+PROGRESS_S = 30  # the console hears from every running job at least this often
+
+
+def progress_line(name: str, argv: list[str], elapsed: float) -> str:
+    """`name: kvdistill train, step 40/300, 52 s, ETA 338 s` for a running `kvdistill` command: a
+    training's steps are read from its `metrics.jsonl` (the total from `--max_steps`, else its
+    `--config`), the ETA extrapolated from the steps done so far."""
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    line = f"    {name}: kvdistill {argv[0]}, {elapsed:.0f} s"
+    if argv[0] != "train" or "--output_dir" not in flags:
+        return line
+    total = flags.get("--max_steps")
+    if total is None and "--config" in flags:
+        total = read_yaml(flags["--config"], "--config").get("max_steps")
+    done = max((int(r["step"]) for r in read_jsonl(Path(flags["--output_dir"]) / METRICS) if "step" in r), default=0)
+    if not total:
+        return f"{line}, step {done}"
+    eta = f", ETA {elapsed / done * (int(total) - done):.0f} s" if done else ""
+    return f"    {name}: kvdistill train, step {done}/{total}, {elapsed:.0f} s{eta}"
+
+
 def run_parallel(jobs: dict[str, list[list[str]]], workers: int, logs: Path) -> None:
     """Run jobs `{name: [argv, ...]}` of `kvdistill ...` commands, `workers` jobs at a time.
 
     A job's commands run one after another (a training, then its evaluation), each a subprocess
     with one torch thread (so a run's numbers do not depend on how many run beside it); a job's
-    output goes to `logs/<name>.log`. Jobs start in the order given: list the longest first.
+    output goes to `logs/<name>.log`, and every `PROGRESS_S` seconds a line per running job to the
+    console (`progress_line`). Jobs start in the order given: list the longest first.
     """
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     pending = [(name, list(commands)) for name, commands in jobs.items() if commands]
-    running: dict[str, tuple[subprocess.Popen, Any, list[list[str]]]] = {}
+    running: dict[str, tuple[subprocess.Popen, Any, list[list[str]], list[str], float]] = {}
 
     def start(name: str, commands: list[list[str]], fh: Any) -> None:
         argv = commands.pop(0)
         print(f"$ kvdistill {' '.join(argv)}   (log: {logs / name}.log)", flush=True)
         proc = subprocess.Popen([sys.executable, "-m", "kvdistill.cli", *argv], stdout=fh, stderr=subprocess.STDOUT,
                                 env=env)
-        running[name] = (proc, fh, commands)
+        running[name] = (proc, fh, commands, argv, time.time())
 
+    said = time.time()
     while pending or running:
         while pending and len(running) < workers:
             name, commands = pending.pop(0)
             start(name, commands, (logs / f"{name}.log").open("w"))
         time.sleep(0.5)
-        for name, (proc, fh, rest) in list(running.items()):
+        if time.time() - said >= PROGRESS_S:
+            said = time.time()
+            for name, (_, _, _, argv, t0) in running.items():
+                print(progress_line(name, argv, said - t0), flush=True)
+        for name, (proc, fh, rest, _, _) in list(running.items()):
             if proc.poll() is None:
                 continue
             del running[name]
             if proc.returncode:
-                for other, other_fh, _ in running.values():  # nothing keeps running behind the error
+                for other, other_fh, *_ in running.values():  # nothing keeps running behind the error
                     other.kill()
                     other_fh.close()
                 fh.close()
@@ -245,10 +272,11 @@ def write_report(out: Path, rows: list[dict], curve: dict, transfer: int) -> Pat
     """`report.md`: the results table, where SFT stands on its curve, the plots."""
     from kvdistill.plots import plot_bars_with_errors
 
-    plot_bars_with_errors(  # error bars: half the 95 % Wilson interval
+    plot_bars_with_errors(  # the 95 % Wilson interval, asymmetric about the accuracy
         [r["model"] for r in rows], [r["accuracy"] for r in rows],
-        [(r["ci_high"] - r["ci_low"]) / 2 for r in rows], out / "accuracy.png",
-        ylabel="test accuracy", title="teachers vs students",
+        [[r["accuracy"] - r["ci_low"] for r in rows], [r["ci_high"] - r["accuracy"] for r in rows]],
+        out / "accuracy.png", error_label="95 % Wilson CI", ylabel="test accuracy (exact match)",
+        title=f"teachers vs students (demo run {out.name})",
     )
     lines = [
         "# kvdistill demo report", "",
@@ -338,7 +366,7 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     best_step, best = max(points, key=lambda p: p[1])
     steps, accs = zip(*points)
     plot_run_curves({"dev accuracy": {"SFT": [(list(steps), list(accs))]}}, out / "sft_curve.png",
-                    title=f"SFT on {sizes.labelled} labelled problems; budget {budget}")
+                    title=f"run {curve_run.name}: SFT on {sizes.labelled} labelled problems; budget {budget}")
     curve = {"labelled": sizes.labelled, "budget": budget, "best": best, "best_step": best_step,
              "at_budget": dict(points)[budget], "points": points}
     write_json_atomic(out / "sft_curve.json", curve)

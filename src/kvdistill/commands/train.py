@@ -14,9 +14,9 @@ from pathlib import Path
 from kvdistill.config import check_output_dir
 from kvdistill.io import read_json, write_json_atomic
 from kvdistill.report import environment
-from kvdistill.runs import METRICS, TRAIN_SUMMARY
+from kvdistill.runs import METRICS, TRAIN_CONFIG, TRAIN_SUMMARY, check_reuse
 from kvdistill.train.build import build_trainer
-from kvdistill.train.config import KVDistillConfig, parse_config
+from kvdistill.train.config import BOOKKEEPING, KVDistillConfig, parse_config
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,27 @@ def run_training(cfg: KVDistillConfig) -> Path:
     return out
 
 
+def check_earlier_run(cfg: KVDistillConfig) -> None:
+    """Refuse an output_dir that holds a finished or partial run made with other settings (bookkeeping
+    aside): its files and checkpoints would mix with this run's, and `--resume_from_checkpoint last`
+    would pick up the wrong run. `--overwrite_output_dir` trains over it anyway."""
+    if cfg.overwrite_output_dir:
+        return
+    out = Path(cfg.output_dir)
+    steps = sorted((p for p in out.glob("checkpoint-*") if p.name.rsplit("-", 1)[1].isdigit()),
+                   key=lambda p: int(p.name.rsplit("-", 1)[1]), reverse=True)
+    fix = ("pass --overwrite_output_dir to train over it, a new --output_dir, or --resume_from_checkpoint last "
+           "with the settings it was made with")
+    for rdir in (out, *steps):  # the finished run, else its newest checkpoint with a config
+        if (rdir / TRAIN_CONFIG).exists():
+            check_reuse(rdir, TRAIN_CONFIG, cfg.to_yaml_dict(), BOOKKEEPING, common_only=True,
+                        asker="this training", fix=fix)
+            return
+
+
 def main(argv: list[str]) -> int:
     cfg = parse_config(argv)  # a bad config fails here, before any model loads
+    check_earlier_run(cfg)
     check_output_dir(cfg.output_dir)  # and an output_dir it could not write to, before any training
     out = run_training(cfg)
     summary = read_json(out / TRAIN_SUMMARY)

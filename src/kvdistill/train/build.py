@@ -203,6 +203,9 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
     for i, r in enumerate(records):
         r["index"] = i  # row id, for per-sample teacher weights
     tokenizer = load_tokenizer(cfg.student)
+    if cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
+        logger.warning("use_chat_template: the student's tokenizer (%s) has no chat template; prompts are formatted "
+                       "with prompt_template", cfg.student)
     student = load_model(cfg.student, dtype=cfg.student_dtype)
     specs = cfg.active_teachers
     # the oracle control runs no teacher: only its architecture (layer count) is read, on the meta device

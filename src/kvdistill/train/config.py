@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
 from kvdistill.losses.relation import parse_rows
 from kvdistill.teachers import LOGIT_KD_MODES
 
+logger = logging.getLogger(__name__)
 # the config's names for the layer map: "cka" reads each teacher's JSON (the aligner's "json" kind)
 LAYER_MAPS = ("proportional", "last_k", "cka")
 # relation: MiniLMv2 self-relations of keys/values, no projector (losses/relation.py); attention: the attention
@@ -313,6 +315,9 @@ class KVDistillConfig(TrainingArguments):
     # ---- TrainingArguments defaults of the seed prototype
     output_dir: str | None = option("runs/kvdistill", "Where checkpoints, logs and the final student go.",
                                     affects="bookkeeping")
+    overwrite_output_dir: bool = option(False, "Train into an output_dir that holds a run made with other settings "
+                                        "(refused otherwise: its checkpoints would mix with this run's).",
+                                        affects="bookkeeping")
     learning_rate: float = option(5e-5, "Student learning rate.",
                                   affects="student_loss", card="training", valid="> 0")
     weight_decay: float = option(0.01, "Weight decay.", affects="student_loss", card="training", valid=">= 0")
@@ -443,6 +448,7 @@ class KVDistillConfig(TrainingArguments):
         if self.fusion == "kv_mean" and self.direction != "teacher_to_student":
             raise ConfigError("fusion: kv_mean averages teachers in the student's space; use direction "
                               "teacher_to_student")
+        self._check_options_act()
         names = [t.name for t in self.teacher_configs]
         if len(set(names)) != len(names):
             raise ConfigError(f"teacher names must be unique, got {names}; set `name:` per teacher")
@@ -514,6 +520,18 @@ class KVDistillConfig(TrainingArguments):
         if self.fsdp:
             raise ConfigError(f"{what} generates every step, which under FSDP steps every rank's sharded forward in "
                               "lockstep (untested); use DDP or DeepSpeed ZeRO-1/2, or lmbda: 0 and seq_kd: false")
+
+    def _check_options_act(self) -> None:
+        """An option this run's other settings leave without effect is refused (one it may have been
+        meant for) or named in a one-line warning (one a shared base config sets for every run)."""
+        for t in self.teacher_configs:
+            if t.layer_map and self.layer_map != "cka" and self.kv_weight > 0:
+                raise ConfigError(f"teacher {t.name}: its layer_map JSON is read only under layer_map: cka, and this run "
+                                  f"maps layers {self.layer_map}; set layer_map: cka to use it, or drop the teacher's "
+                                  "layer_map")
+        if self.transfer_data and not self.teacher_signal:
+            logger.warning("transfer_data %s is not read: this run has no teacher signal (kv_weight, codi_weight, "
+                           "logit_kd_weight all 0), and transfer records teach only through teachers", self.transfer_data)
 
     def _check_layer_map_counts(self, t: TeacherConfig) -> None:
         """Compare a layer map's layer counts with the models' configs (config.json only, no weights)."""
@@ -588,7 +606,8 @@ class KVDistillConfig(TrainingArguments):
 # ranges are declared here. One not listed changes what the student learns, and a number must be finite.
 INHERITED: dict[str, dict[str, str]] = {
     "save_strategy": {"affects": "bookkeeping"}, "save_total_limit": {"affects": "bookkeeping"},
-    "disable_tqdm": {"affects": "bookkeeping"}, "seed": {"card": "training", "valid": ">= 0"},
+    "disable_tqdm": {"affects": "bookkeeping"}, "resume_from_checkpoint": {"affects": "bookkeeping"},
+    "seed": {"card": "training", "valid": ">= 0"},
     "bf16": {"card": "training"}, "fp16": {"card": "training"}, "num_train_epochs": {"valid": "> 0"},
     "warmup_steps": {"valid": ">= 0"}, "max_grad_norm": {"valid": ">= 0"}, "adam_beta1": {"valid": "in [0, 1)"},
     "adam_beta2": {"valid": "in [0, 1)"}, "adam_epsilon": {"valid": ">= 0"},
