@@ -37,6 +37,7 @@ def test_card_states_base_model_teachers_recipe_data_and_steps():
     assert "| 0 | 0 (0.50), 1 (0.50) | 0 (1.00) |" in text and "| 1 | 2 (1.00) | 0 (0.30), 1 (0.70) |" in text
     assert "| data | `openai/gsm8k` |" in text and "saved at optimizer step 400" in text
     assert "Not evaluated yet" in text and not card.data.eval_results
+    assert "`kvdistill eval --model <this directory> --data <test set>`" in text  # --data is required
     assert '"Q: {question}\\nA:".format(' in text  # the usage example prompts as the student was trained
 
 

@@ -159,7 +159,7 @@ def render_card(info: Mapping[str, Any]) -> ModelCard:
         data_table=_options_table(info.get("data", {})),
         training_table=_options_table(info.get("training", {})),
         evaluation=_evaluation_table(evaluations) if evaluations else
-        "Not evaluated yet: `kvdistill eval --model <this directory>` adds its results here.",
+        "Not evaluated yet: `kvdistill eval --model <this directory> --data <test set>` adds its results here.",
     )
 
 
