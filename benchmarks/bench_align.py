@@ -33,8 +33,6 @@ numbers are this process's CPU time, which other jobs on a shared machine do not
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import replace
 from typing import Any
 
@@ -45,10 +43,9 @@ from torch import Tensor
 from kvdistill.align.aligner import KVAligner
 from kvdistill.align.time import TimeIndex, kv_bags, resample_kv
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING, KVCache
-from kvdistill.commands.bench import interleaved_times, torch_threads
+from kvdistill.commands.bench import interleaved_times, run_standalone, torch_threads
 from kvdistill.commands.profile import measure
 from kvdistill.losses import aligned_kv_loss, build_kv_loss
-from kvdistill.malloc import keep_freed_memory
 
 FULL = {"L_t": 28, "H_t": 4, "D_t": 128, "L_s": 24, "H_s": 2, "D_s": 64, "B": 2, "T_s": 512, "T_t": 600}
 QUICK = {"L_t": 6, "H_t": 4, "D_t": 32, "L_s": 4, "H_s": 2, "D_s": 16, "B": 2, "T_s": 64, "T_t": 80}
@@ -300,7 +297,4 @@ def _run(quick: bool) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    keep_freed_memory()  # as every `kvdistill` process does (`kvdistill bench` runs this module too)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes (seconds)")
-    print(json.dumps(run(quick=parser.parse_args().quick), indent=1))
+    run_standalone(run, __doc__, "small shapes (seconds)")

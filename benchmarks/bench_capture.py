@@ -28,11 +28,8 @@ repeat without warm-up (a smoke run, not a measurement).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
-import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,9 +37,8 @@ from typing import Any
 
 import torch
 
-from kvdistill.commands.bench import interleaved_times, load_benchmark, torch_threads
+from kvdistill.commands.bench import interleaved_times, load_benchmark, run_standalone, torch_threads
 from kvdistill.commands.capture import run_capture
-from kvdistill.malloc import keep_freed_memory
 from kvdistill.tiny import build_tiny_world
 from kvdistill.train.build import build_trainer
 from kvdistill.train.config import parse_config
@@ -152,8 +148,4 @@ def _params(model: torch.nn.Module) -> int:
 
 
 if __name__ == "__main__":
-    keep_freed_memory()  # as every `kvdistill` process does (`kvdistill bench` runs this module too)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="half-size pair, 8 records, one repeat")
-    json.dump(run(quick=parser.parse_args().quick), sys.stdout, indent=1)
-    print()
+    run_standalone(run, __doc__, "half-size pair, 8 records, one repeat")

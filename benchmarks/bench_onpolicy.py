@@ -26,18 +26,14 @@ tokens (16 with `--quick`), 1 torch thread.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvdistill.commands.bench import interleaved_times, load_benchmark, torch_threads
+from kvdistill.commands.bench import interleaved_times, load_benchmark, run_standalone, torch_threads
 from kvdistill.data import format_prompt
-from kvdistill.malloc import keep_freed_memory
 from kvdistill.onpolicy import sample_completions
 from kvdistill.tiny import build_tiny_world
 from kvdistill.train.build import build_trainer
@@ -151,8 +147,4 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    keep_freed_memory()  # as every `kvdistill` process does (`kvdistill bench` runs this module too)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny and half-size pairs, 16 new tokens, 3 repeats")
-    json.dump(run(quick=parser.parse_args().quick), sys.stdout, indent=1)
-    print()
+    run_standalone(run, __doc__, "tiny and half-size pairs, 16 new tokens, 3 repeats")

@@ -30,10 +30,7 @@ student and Qwen2 teacher, 64 new tokens. Batch 2, 1 torch thread.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import sys
 import tempfile
 from importlib.util import find_spec
 from pathlib import Path
@@ -41,10 +38,9 @@ from typing import Any
 
 import torch
 
-from kvdistill.commands.bench import interleaved_times, load_benchmark, torch_threads
+from kvdistill.commands.bench import interleaved_times, load_benchmark, run_standalone, torch_threads
 from kvdistill.data import format_prompt, tokenize_example
 from kvdistill.losses import logit_kd_sum
-from kvdistill.malloc import keep_freed_memory
 from kvdistill.tiny import build_tiny_world
 from kvdistill.train.build import build_trainer
 from kvdistill.train.config import parse_config
@@ -201,8 +197,4 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    keep_freed_memory()  # as every `kvdistill` process does (`kvdistill bench` runs this module too)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny fixtures, 8 new tokens, 3 repeats")
-    json.dump(run(quick=parser.parse_args().quick), sys.stdout, indent=1)
-    print()
+    run_standalone(run, __doc__, "tiny fixtures, 8 new tokens, 3 repeats")

@@ -38,10 +38,7 @@ context only.
 
 from __future__ import annotations
 
-import argparse
-import json
 import resource
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -49,10 +46,9 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
-from kvdistill.commands.bench import interleaved_times, torch_threads
+from kvdistill.commands.bench import interleaved_times, run_standalone, torch_threads
 from kvdistill.commands.profile import measure
 from kvdistill.losses import token_ce_sum
-from kvdistill.malloc import keep_freed_memory
 from kvdistill.models import load_tokenizer
 from kvdistill.tiny import build_tiny_world, save_random_model
 from kvdistill.train.build import build_trainer
@@ -244,8 +240,4 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    keep_freed_memory()  # as every `kvdistill` process does (`kvdistill bench` runs this module too)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="half-size pair, fewer repeats (about a minute)")
-    json.dump(run(quick=parser.parse_args().quick), sys.stdout, indent=1)
-    print()
+    run_standalone(run, __doc__, "half-size pair, fewer repeats (about a minute)")

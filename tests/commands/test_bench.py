@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,15 @@ def test_capture_benchmark_quick_run(tmp_path: Path) -> None:
     assert one["teachers_x"] < two["teachers_x"] and one["steps"] == two["steps"] == 4
     assert one["capture_mib"] > 0 and two["capture_mib"] > one["capture_mib"]  # two teachers stored
     assert "| capture | speedup |" in (out / "README.md").read_text()
+
+
+def test_a_benchmark_file_run_as_a_script_prints_its_run_as_json(monkeypatch, capsys) -> None:
+    """`python benchmarks/bench_<name>.py --quick` (each file's `__main__` calls `run_standalone`)."""
+    monkeypatch.setattr(sys, "argv", ["bench_fake.py", "--quick"])
+    bench.run_standalone(lambda quick: {"ratio": 1.5, "quick": quick}, "Benchmark: fake.\n\nMore.", "small")
+    assert json.loads(capsys.readouterr().out) == {"ratio": 1.5, "quick": True}
+    monkeypatch.setattr(sys, "argv", ["bench_fake.py", "--help"])
+    with pytest.raises(SystemExit):
+        bench.run_standalone(lambda quick: {}, "Benchmark: fake.\n\nMore.", "small shapes")
+    out = capsys.readouterr().out
+    assert "Benchmark: fake." in out and "More." not in out and "small shapes" in out

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -48,6 +49,7 @@ import torch
 
 from kvdistill.config import ConfigError, option, parse_config
 from kvdistill.io import repo_relative, write_json_atomic, write_text_atomic
+from kvdistill.malloc import keep_freed_memory
 from kvdistill.report import environment, fmt_sig, markdown_table
 
 BENCH_PREFIX = "bench_"
@@ -106,6 +108,16 @@ def load_benchmark(path: Path) -> ModuleType:
     if not callable(getattr(module, "run", None)):
         raise AttributeError(f"{path} has no `run(quick: bool) -> dict`")
     return module
+
+
+def run_standalone(run: Callable[..., dict], doc: str, quick_help: str) -> None:
+    """A benchmark file run as a script (`python benchmarks/bench_<name>.py [--quick]`): its `run`'s
+    dict as JSON on stdout, with the allocator settings every `kvdistill` process has."""
+    keep_freed_memory()
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    json.dump(run(quick=parser.parse_args().quick), sys.stdout, indent=1)
+    print()
 
 
 # --------------------------------------------------------------------------- timing
