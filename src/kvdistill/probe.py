@@ -65,22 +65,23 @@ NUMBER, RESULT, FINAL = "probe.number", "probe.result", "probe.final"
 _NUMBER_RE = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
 
 
+def _name_or_field(value: str, names: Sequence[str], what: str, field_means: str) -> tuple[str, str | None]:
+    """`value` one of `names` -> (value, None); `"field:<name>"` -> ("field", name); else ValueError."""
+    if value in names:
+        return value, None
+    if value.startswith("field:") and len(value) > len("field:"):
+        return "field", value.removeprefix("field:")
+    raise ValueError(f"{what} {value!r} is not one of {names} or field:<name> ({field_means})")
+
+
 def parse_target(target: str) -> tuple[str, str | None]:
     """`"number_value"` -> ("number_value", None); `"field:value"` -> ("field", "value"); else ValueError."""
-    if target in TARGETS:
-        return target, None
-    if target.startswith("field:") and len(target) > len("field:"):
-        return "field", target.removeprefix("field:")
-    raise ValueError(f"target {target!r} is not one of {TARGETS} or field:<name> (a per-token field of the data)")
+    return _name_or_field(target, TARGETS, "target", "a per-token field of the data")
 
 
 def parse_rows(rows: str) -> tuple[str, str | None]:
     """`"answer"` -> ("answer", None); `"field:mask"` -> ("field", "mask"); else ValueError."""
-    if rows in ROWS:
-        return rows, None
-    if rows.startswith("field:") and len(rows) > len("field:"):
-        return "field", rows.removeprefix("field:")
-    raise ValueError(f"rows {rows!r} is not one of {ROWS} or field:<name> (tokens where that field is non-zero)")
+    return _name_or_field(rows, ROWS, "rows", "tokens where that field is non-zero")
 
 
 # ----------------------------------------------------------------------------- targets from the text
