@@ -475,3 +475,9 @@ class DistillCollator:
         if teacher_inputs:
             batch["teacher_inputs"] = teacher_inputs
         return batch
+
+
+def teacher_view(batch: dict, name: str) -> dict:
+    """Teacher `name`'s inputs in a `DistillCollator` batch: its own (`teacher_inputs[name]`: another
+    tokenizer, its own rationale or rewritten text), else the student's."""
+    return batch.get("teacher_inputs", {}).get(name, batch)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from kvdistill import projector_study as study
 from kvdistill.align.projectors import build_projector
 from kvdistill.cli import main as cli_main
-from kvdistill import projector_study as study
 from kvdistill.commands import ab_projector as ab
 from kvdistill.report import param_count
 

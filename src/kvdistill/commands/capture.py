@@ -28,9 +28,10 @@ from tqdm.auto import tqdm
 
 from kvdistill.capture import CaptureWriter, compress_rationale
 from kvdistill.config import ConfigError, check_output_dir
+from kvdistill.data import teacher_view
 from kvdistill.models import DTYPES
 from kvdistill.teachers import TeacherSet
-from kvdistill.train.build import cache_key, capture_settings, load_run, teacher_batches, teacher_view
+from kvdistill.train.build import cache_key, capture_settings, load_run, teacher_batches
 from kvdistill.train.config import KVDistillConfig, parse_config
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from kvdistill.capture import (
 )
 from kvdistill.config import ConfigError
 from kvdistill.controls import TextPermutation, oracle_width
-from kvdistill.data import DistillCollator, TeacherView, add_latent_token, load_records
+from kvdistill.data import DistillCollator, TeacherView, add_latent_token, load_records, teacher_view
 from kvdistill.fields import FIELD_KEY
 from kvdistill.fusion import TeacherFusion
 from kvdistill.io import read_json, write_json_atomic
@@ -264,11 +264,6 @@ def teacher_batches(run: RunInputs, batch_size: int):
     every = [*run.records, *run.transfer]
     for start in range(0, len(every), batch_size):
         yield plain(every[start : start + batch_size])
-
-
-def teacher_view(batch: dict, name: str) -> dict:
-    """A teacher's own inputs in a collated batch (its tokenizer / rationale), else the student's."""
-    return batch.get("teacher_inputs", {}).get(name, batch)
 
 
 def capture_settings(cfg: KVDistillConfig, run: RunInputs) -> dict[str, dict]:

@@ -522,13 +522,12 @@ class KVDistillConfig(TrainingArguments):
                               "lockstep (untested); use DDP or DeepSpeed ZeRO-1/2, or lmbda: 0 and seq_kd: false")
 
     def _check_options_act(self) -> None:
-        """An option this run's other settings leave without effect is refused (one it may have been
-        meant for) or named in a one-line warning (one a shared base config sets for every run)."""
+        """An option this run's other settings leave without effect is named in a one-line warning (a
+        shared base config sets it for every run, and a run overrides what makes it act)."""
         for t in self.teacher_configs:
             if t.layer_map and self.layer_map != "cka" and self.kv_weight > 0:
-                raise ConfigError(f"teacher {t.name}: its layer_map JSON is read only under layer_map: cka, and this run "
-                                  f"maps layers {self.layer_map}; set layer_map: cka to use it, or drop the teacher's "
-                                  "layer_map")
+                logger.warning("teacher %s: its layer_map JSON is not read: layer_map is %s (set layer_map: cka to "
+                               "use it)", t.name, self.layer_map)
         if self.transfer_data and not self.teacher_signal:
             logger.warning("transfer_data %s is not read: this run has no teacher signal (kv_weight, codi_weight, "
                            "logit_kd_weight all 0), and transfer records teach only through teachers", self.transfer_data)
