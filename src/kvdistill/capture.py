@@ -47,7 +47,7 @@ from torch import Tensor
 from kvdistill.align.compress import Compression, compress_cache
 from kvdistill.cache import REASONING, KVCache
 from kvdistill.config import ConfigError
-from kvdistill.io import read_json, write_json_atomic
+from kvdistill.io import nbytes, read_json, write_json_atomic, writing
 from kvdistill.teachers import TeacherCache
 
 MANIFEST = "manifest.json"
@@ -146,8 +146,9 @@ def write_shard(path: Path, entries: list[tuple[int, dict[str, Tensor]]], dtype:
                 x = x[:, layers]  # [sum T, L_kept, H, D]
             tensors[field] = x.to(dtype).contiguous()
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    with writing(path, nbytes(tensors), scratch=tmp):  # a full disk: no temp left, one error naming the shard
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
 
 
 class CaptureWriter:

@@ -10,11 +10,11 @@ problem and the fix and exits 2; `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import sys
 
 from kvdistill import __version__
+from kvdistill.io import WriteError, write_failure
 from kvdistill.malloc import keep_freed_memory
 
 # name -> (module with `main(argv)`, one-line help)
@@ -34,6 +34,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "smoke": ("kvdistill.commands.smoke", "build the tiny offline fixtures and print their KV shapes"),
     "dry-run": ("kvdistill.commands.dry_run", "meta-device dry run: params, KV shapes, aligners, GPU memory of a config"),
 }
+
+
+# how a command picks up after a failed write, said after "then rerun"
+RERUN = {"train": " with --resume_from_checkpoint last (it resumes from the last complete checkpoint)",
+         "capture": " the same capture (it keeps the shards written)"}
 
 
 def user_errors() -> tuple[type[Exception], ...]:
@@ -77,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kvdistill {argv[0]}: error: {err}", file=sys.stderr)
         return 2
-    except OSError as err:
-        if debug or err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    except OSError as err:  # `io.WriteError` (torch, safetensors and Python writes) is one
+        failure = write_failure(err)
+        if debug or failure is None:
             raise
-        # a full disk mid-run: what was written last is incomplete, the last complete checkpoint is not
-        print(f"kvdistill {argv[0]}: error: no space left on the device ({err.filename or err}); free space or "
-              "point output_dir elsewhere, then rerun (training: --resume_from_checkpoint last)", file=sys.stderr)
+        # a full disk mid-run: the failed write was cleaned up; the last complete checkpoint / shard stands
+        failed = err if isinstance(err, WriteError) else WriteError(err.filename or "?", None, *failure)
+        print(f"kvdistill {argv[0]}: error: {failed}{RERUN.get(argv[0], '')}", file=sys.stderr)
         return 2
 
 

@@ -8,10 +8,14 @@ must not record one machine's absolute paths).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
-from collections.abc import Mapping
+import re
+import shutil
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,18 +70,118 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` to `path` through a temporary file and a rename; a failed write (full disk) removes
-    the temporary file, so `path` is either the old file or the whole new one, and nothing else is left."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+# errno of a write the file system refused: full, over quota, over the file-size limit, read-only, not ours
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+# torch.save's C++ zip writer reports a failed write without its errno (e.g. "unexpected pos 576 vs 534")
+_TORCH_WRITER = ("inline_container", "PytorchStreamWriter", "file write failed", "iostream error")
+
+
+class WriteError(OSError):
+    """A write the file system refused (full disk, quota, file-size limit, read-only or unwritable
+    path), whatever raised it: Python's `OSError`, torch.save's `RuntimeError`, safetensors'
+    `SafetensorError`, tokenizers' `Exception`. The message names the path, the bytes being written
+    and the space free there; the half-written files were removed before it was raised."""
+
+    def __init__(self, path: str | os.PathLike, nbytes: int | None, reason: str, code: int | None = None):
+        self.path, self.nbytes, self.reason = Path(path), nbytes, reason
+        full = code is None or code in _FULL_ERRNOS
+        what = "no space left on the device" if full else "cannot write"
+        size = f"{_mb(nbytes)} to write, " if nbytes else ""
+        super().__init__(code or errno.EIO, f"{what}: writing {self.path} failed ({reason}; {size}"
+                         f"{_mb(free_bytes(self.path))} free there); free space there or point the output "
+                         "elsewhere, then rerun", str(self.path))
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _mb(n: int | None) -> str:
+    if n is None:
+        return "? MB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n:,} B"
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Bytes free to this user on the file system holding `path` (its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
     try:
-        tmp.write_text(text, encoding="utf-8")
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def write_failure(err: BaseException) -> tuple[str, int | None] | None:
+    """`(reason, errno)` when `err` (or what it was raised from) is a write the file system refused,
+    else None. torch and safetensors raise their own types on a full disk, not `OSError`."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, WriteError):
+            return seen.reason, seen.errno
+        if isinstance(seen, OSError) and seen.errno in _WRITE_ERRNOS:
+            return seen.strerror or os.strerror(seen.errno), seen.errno
+        text = str(seen)
+        code = re.search(r"os error (\d+)", text)  # safetensors / tokenizers (Rust): "File too large (os error 27)"
+        if code and int(code.group(1)) in _WRITE_ERRNOS:
+            return os.strerror(int(code.group(1))), int(code.group(1))
+        if isinstance(seen, RuntimeError) and any(s in text for s in _TORCH_WRITER):
+            return "torch's file writer failed", None
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def nbytes(obj: Any) -> int:
+    """Bytes of the tensors in `obj` (nested mappings / sequences; other values count 0)."""
+    if isinstance(obj, Mapping):
+        return sum(nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(v) for v in obj)
+    return int(getattr(obj, "nbytes", 0) or 0)
+
+
+@contextmanager
+def writing(path: str | os.PathLike, size: int | None = None, scratch: str | os.PathLike | None = None
+            ) -> Iterator[None]:
+    """Run a block that writes `path` (a file or a directory of `size` bytes) into `scratch` (default
+    `path`): when it fails, the file `scratch`, or what the block created in the directory `scratch`
+    (all of it if it did not exist before), is removed, and a write the file system refused becomes
+    one `WriteError` naming `path`; any other error passes unchanged."""
+    scratch = Path(path if scratch is None else scratch)
+    existed = scratch.is_dir()
+    before = set(scratch.rglob("*")) if existed else set()
+    try:
+        yield
+    except BaseException as err:
+        if not existed:
+            shutil.rmtree(scratch) if scratch.is_dir() else scratch.unlink(missing_ok=True)
+        else:
+            for p in sorted(set(scratch.rglob("*")) - before, reverse=True):  # children before their dirs
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        failure = write_failure(err)
+        if failure is None:
+            raise
+        size = size or (err.nbytes if isinstance(err, WriteError) else None)
+        raise WriteError(path, size, *failure) from err
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` through a temporary file and a rename; a failed write (full disk) removes
+    the temporary file, so `path` is either the old file or the whole new one, and nothing else is left
+    (`WriteError` names it)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with writing(path, len(data), scratch=tmp):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
         return tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """`text` as UTF-8, written atomically (`write_bytes_atomic`); text UTF-8 cannot encode fails
+    before any file is touched."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 1) -> Path:

@@ -6,6 +6,7 @@ commands append their own functions here.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import matplotlib
@@ -15,17 +16,19 @@ matplotlib.use("Agg")  # headless: CI, SLURM nodes, servers
 import matplotlib.pyplot as plt
 import numpy as np
 
+from kvdistill.io import write_bytes_atomic
+
 
 def save_figure(fig, path: str | Path) -> Path:
-    """Lay out (tight, unless the figure has its own layout engine), write a PNG (parent dirs
-    created), close the figure; returns the path."""
+    """Lay out (tight, unless the figure has its own layout engine), write a PNG atomically (parent
+    dirs created; a full disk leaves no partial image and raises `io.WriteError`), close the
+    figure; returns the path."""
     if fig.get_layout_engine() is None:
         fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()  # rendered first, so the write knows its size and is one atomic file
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    return path
+    return write_bytes_atomic(path, png.getvalue())
 
 
 def legend(ax, **kwargs) -> None:
@@ -144,20 +147,24 @@ def plot_cka_heatmap(
 def plot_bars_with_errors(
     labels: list[str],
     means: list[float],
-    stds: list[float],
+    errors: list[float] | list[list[float]],
     path: str | Path,
     *,
+    error_label: str,
     points: list[list[float]] | None = None,
     ylabel: str = "",
     title: str = "",
 ) -> Path:
-    """Bar chart of per-variant means with ± std error bars and, optionally, each seed as a dot.
+    """Bar chart of per-variant means with error bars (named in the legend) and, optionally, each seed
+    as a dot.
 
     Args:
         labels: `[V]` bar labels.
         means: `[V]` bar heights (NaN: no bar).
-        stds: `[V]` error-bar half widths (NaN: none).
+        errors: `[V]` symmetric half widths (± std), or `[2, V]` distances below and above the mean (an
+            asymmetric interval such as Wilson's); NaN: none.
         path: PNG to write.
+        error_label: what the bars are, in the legend (e.g. "95 % Wilson CI", "± 1 sd over seeds").
         points: `[V][S_v]` per-seed values drawn over the bars.
         ylabel, title: axis label and title.
 
@@ -166,19 +173,23 @@ def plot_bars_with_errors(
     """
     x = np.arange(len(labels))
     m = np.nan_to_num(np.asarray(means, dtype=float), nan=0.0)
-    s = np.nan_to_num(np.asarray(stds, dtype=float), nan=0.0)
+    e = np.nan_to_num(np.asarray(errors, dtype=float), nan=0.0)  # [V] or [2, V]
     fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(labels) + 1.5), 4.0))
-    ax.bar(x, m, yerr=s, capsize=4, color="#4c72b0", alpha=0.8)
+    ax.bar(x, m, color="#4c72b0", alpha=0.8)
+    ax.errorbar(x, m, yerr=e, fmt="none", ecolor="black", capsize=4, label=error_label)
+    dots = "one seed"  # one legend entry for the dots
     for i, pts in enumerate(points or []):
         vals = [v for v in pts if v is not None]
         if vals:  # small horizontal jitter so equal values stay visible
-            ax.scatter(i + np.linspace(-0.15, 0.15, len(vals)), vals, color="black", s=12, zorder=3)
+            ax.scatter(i + np.linspace(-0.15, 0.15, len(vals)), vals, color="black", s=12, zorder=3, label=dots)
+            dots = None
     ax.set_xticks(x)
     ax.set_xticklabels(labels, rotation=20, ha="right")
     ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title)
     ax.grid(True, axis="y", alpha=0.3)
+    legend(ax, fontsize=8)
     return save_figure(fig, path)
 
 
@@ -209,6 +220,7 @@ def plot_run_curves(
                 ax.plot(steps, values, color=colors[lab], alpha=0.75, linewidth=1.2, label=label)
         ax.set_title(metric)
         ax.set_xlabel("step")
+        ax.set_ylabel(metric)  # the panel's metric: a lone panel (the demo's SFT curve) needs it on its axis
         ax.grid(True, alpha=0.3)
         legend(ax, fontsize=7)
     if title:

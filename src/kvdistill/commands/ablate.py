@@ -1021,8 +1021,9 @@ def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]
         [r["accuracy"]["std"] for r in rows.values()],
         out / "ablation_accuracy.png",
         points=[[r["runs"][s]["accuracy"] for s in r["runs"]] for r in rows.values()],
+        error_label="± 1 sd over seeds",
         ylabel="accuracy (mean ± std over seeds)",
-        title="Ablation: accuracy",
+        title=f"Ablation {out.name}: accuracy",
     )
     plots["accuracy"] = acc_png.name
     panels: dict[str, dict[str, list[tuple[list[float], list[float]]]]] = {}
@@ -1037,7 +1038,8 @@ def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]
                     )
     paths = {"accuracy_png": acc_png}
     if panels:
-        paths["curves_png"] = plot_run_curves(panels, out / "ablation_curves.png", title="Training curves")
+        paths["curves_png"] = plot_run_curves(panels, out / "ablation_curves.png",
+                                              title=f"Ablation {out.name}: training curves")
         plots["training curves"] = paths["curves_png"].name
     paths["md"] = out / "ablation.md"
     write_text_atomic(paths["md"], render_markdown(report, plots))

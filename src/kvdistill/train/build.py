@@ -192,6 +192,22 @@ class RunInputs:
     collator: DistillCollator
 
 
+def cpu_student_dtype(student: torch.nn.Module, cfg: KVDistillConfig) -> torch.nn.Module:
+    """On CPU, a student whose weights load in fp16 (asked, or `auto` from an fp16 checkpoint) is refused:
+    it diverges within a few steps; bf16 weights are upcast to fp32 with a warning: bf16 rounds away
+    updates below ~1/256 of a weight (docs/training.md, "dtype on CPU", has the measurements)."""
+    if cfg.device.type != "cpu" or student.dtype not in (torch.float16, torch.bfloat16):
+        return student
+    if student.dtype == torch.float16:
+        raise ConfigError(f"student {cfg.student} loads in fp16 (student_dtype {cfg.student_dtype}), which overflows "
+                          "on CPU within a few steps (fp16 training needs a GPU's loss scaling); set "
+                          "--student_dtype fp32 (add --bf16 for bf16 compute)")
+    logger.warning("student_dtype %s gives bf16 weights, upcast to fp32 on CPU: bf16 weights drop updates below "
+                   "~1/256 of a weight (at lr 5e-5 45%% of them never moved in 20 steps); for bf16 compute keep fp32 "
+                   "weights and add --bf16 (autocast)", cfg.student_dtype)
+    return student.float()
+
+
 def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
     """Load student, data and teachers as `cfg` names them (`teacher_weights=False`: teachers on
     the meta device, their outputs to come from a capture)."""
@@ -206,7 +222,7 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
     if cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
         logger.warning("use_chat_template: the student's tokenizer (%s) has no chat template; prompts are formatted "
                        "with prompt_template", cfg.student)
-    student = load_model(cfg.student, dtype=cfg.student_dtype)
+    student = cpu_student_dtype(load_model(cfg.student, dtype=cfg.student_dtype), cfg)
     specs = cfg.active_teachers
     # the oracle control runs no teacher: only its architecture (layer count) is read, on the meta device
     teachers = [load_teacher(s, tokenizer, untrained=cfg.teacher_control == "untrained", seed=cfg.seed,

@@ -112,7 +112,8 @@ class KVDistillConfig(TrainingArguments):
     teachers: None | str | list = option([], "List of teachers: {path, name, weight, dtype, quantization, tokenizer, "
                            "rationale_field, layer_map, projector, mlp_ratio, ...}.",
                                          affects="teacher_outputs")
-    student_dtype: str = option("auto", "Student weights dtype (auto|fp32|bf16|fp16); use bf16/fp16 flags for AMP.",
+    student_dtype: str = option("auto", "Student weights dtype (auto|fp32|bf16|fp16); use bf16/fp16 flags for AMP. "
+                                "On CPU fp16 is refused and bf16 upcast to fp32 (docs/training.md).",
                                 affects="student_loss")
     data: str = option("synthetic", "Training data: Hub id, local jsonl/json/parquet file or directory, or 'synthetic'.",
                        affects="teacher_inputs", card="data")

@@ -9,9 +9,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+import yaml
 
 from kvdistill.io import read_jsonl
 from kvdistill.plots import save_figure
+from kvdistill.runs import TRAIN_CONFIG
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -46,18 +48,49 @@ def final_metrics(path: str | Path) -> dict:
     }
 
 
-def plot_training_curves(path: str | Path, out_dir: str | Path) -> list[Path]:
-    """Write `curves_loss.png`, `curves_cos_sim.png` and `cos_sim_layers.png` (when KV was on)."""
+# logged term -> its weight option: the total loss is the sum of weight x term (kv_loss also x its warm-up)
+LOSS_TERMS = {"ce": "ce_weight", "kv_loss": "kv_weight", "logit_kd": "logit_kd_weight", "codi": "codi_weight"}
+
+
+def run_label(out_dir: str | Path) -> str:
+    """A run's name in plot titles: its dir with the parent (`runs/student_kv`, `kv/seed_0`)."""
+    return "/".join(Path(out_dir).absolute().parts[-2:])
+
+
+def weighted_terms(rows: list[dict], weights: dict[str, float]) -> dict[str, list[float]]:
+    """`{legend label: [P] values}` of each logged loss term times its weight (and the KV warm-up),
+    as the total loss sums them; a term logged without a known weight is drawn as logged."""
+    terms = {}
+    for key, option in LOSS_TERMS.items():
+        if not any(key in r for r in rows) or weights.get(option) == 0:
+            continue
+        w = weights.get(option)
+        warm = key == "kv_loss" and any("kv_warmup" in r for r in rows)
+        label = key if w is None else f"{w:g} × {key}" + (" × warm-up" if warm else "")
+        terms[label] = [(1.0 if w is None else w) * r.get(key, np.nan) * (r.get("kv_warmup", 1.0) if warm else 1.0)
+                        for r in rows]
+    return terms
+
+
+def plot_training_curves(path: str | Path, out_dir: str | Path, weights: dict[str, float] | None = None
+                         ) -> list[Path]:
+    """Write `curves_loss.png` (the total loss and every weighted term it sums), `curves_cos_sim.png` and
+    `cos_sim_layers.png` (when KV was on); titles name the run (`run_label`). `weights`: the loss
+    weights (`ce_weight`, ...), by default read from the run's `kvdistill_config.yaml` in `out_dir`."""
     rows, out_dir, written = read_metrics(path), Path(out_dir), []
     if not rows:
         return written
-    steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key in ("loss", "ce", "kv_loss"):
-        if any(key in r for r in rows):
-            ax.plot(steps, [r.get(key, np.nan) for r in rows], label=key)
-    ax.set(xlabel="step", ylabel="loss", yscale="log", title="training losses")
-    ax.legend()
+    if weights is None:
+        config = out_dir / TRAIN_CONFIG
+        weights = yaml.safe_load(config.read_text(encoding="utf-8")) if config.is_file() else {}
+    run, steps = run_label(out_dir), [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    # the total drawn wide and pale underneath, so a term equal to it (SFT: the CE) stays visible on top
+    ax.plot(steps, [r["loss"] for r in rows], color="black", linewidth=4, alpha=0.3, label="total loss")
+    for (label, values), style in zip(weighted_terms(rows, weights).items(), ("--", "-.", ":", (0, (5, 1)))):
+        ax.plot(steps, np.where(np.asarray(values) > 0, values, np.nan), linestyle=style, marker=".", label=label)
+    ax.set(xlabel="step", ylabel="loss (log scale)", yscale="log", title=f"{run}: total loss and its weighted terms")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: covers no curve
     written.append(save_figure(fig, out_dir / "curves_loss.png"))
 
     cos_keys = sorted({k for r in rows for k in r if k.startswith("cos_sim/")})
@@ -65,7 +98,8 @@ def plot_training_curves(path: str | Path, out_dir: str | Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for k in cos_keys:
             ax.plot(steps, [r.get(k, np.nan) for r in rows], label=k.split("/", 1)[1])
-        ax.set(xlabel="step", ylabel="cos-sim (mean of K, V)", title="student vs aligned teacher KV", ylim=(-0.1, 1.0))
+        ax.set(xlabel="step", ylabel="cos-sim (mean of K, V)", title=f"{run}: student vs aligned teacher KV",
+               ylim=(-0.1, 1.0))
         ax.legend()
         written.append(save_figure(fig, out_dir / "curves_cos_sim.png"))
 
@@ -83,7 +117,8 @@ def plot_training_curves(path: str | Path, out_dir: str | Path) -> list[Path]:
                                extent=(steps[0] - half, steps[-1] + half, -0.5, len(layers) - 0.5))
                 shown = range(0, len(layers), max(1, len(layers) // 12))  # row i of the grid is layers[i]
                 ax.set_yticks(list(shown), [str(layers[i]) for i in shown])
-                ax.set(xlabel="step", ylabel="student layer", title=f"per-layer cos-sim: {t}")
+                ax.set(xlabel="step", ylabel="student layer", title=t)
             fig.colorbar(im, ax=axes[0].tolist(), label="cos-sim (mean of K, V)")
+            fig.suptitle(f"{run}: per-layer cos-sim with each teacher")  # the figure's width, not a panel's
             written.append(save_figure(fig, out_dir / "cos_sim_layers.png"))
     return written

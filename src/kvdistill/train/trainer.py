@@ -12,6 +12,7 @@ import json
 import logging
 import math
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from kvdistill.align.compress import compress_cache
 from kvdistill.cache import REASONING, KVCache
 from kvdistill.card import write_card
 from kvdistill.controls import oracle_cache
-from kvdistill.io import read_jsonl, write_json_atomic, write_text_atomic
+from kvdistill.io import nbytes, read_jsonl, write_json_atomic, write_text_atomic, writing
 from kvdistill.models import num_layers
 from kvdistill.onpolicy import completion_batch, on_policy_step, sampling_seed, write_completions
 from kvdistill.runs import METRICS, TEACHERS_FILE, TRAIN_CONFIG
@@ -419,14 +420,18 @@ class KVDistillTrainer(Trainer):
         that order: a kill at any point leaves the previous complete checkpoint in place."""
         limit = self.args.save_total_limit
         self.args.save_total_limit = None  # Trainer would rotate before the marker exists
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
         ckpt = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        self.accelerator.wait_for_everyone()  # every rank's files are on disk before the marker
+        # a failed save (full disk) removes the checkpoint dir and stops in one line naming it
+        size = nbytes(self.distill_model.state_dict()) + nbytes(getattr(self.optimizer, "state", {}))
+        with writing(ckpt, size) if self.args.should_save else nullcontext():
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self.args.save_total_limit = limit
+            self.accelerator.wait_for_everyone()  # every rank's files are on disk before the marker
+            if self.args.should_save:
+                write_json_atomic(ckpt / COMPLETE_FILE, {"global_step": self.state.global_step})
         if self.args.should_save:
-            write_json_atomic(ckpt / COMPLETE_FILE, {"global_step": self.state.global_step})
             rotate_checkpoints(str(ckpt.parent), limit, self.state.best_model_checkpoint, use_mtime=True)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -434,7 +439,12 @@ class KVDistillTrainer(Trainer):
         if not self.args.should_save:  # FSDP / DeepSpeed call this on every rank; the main one writes
             return
         out = Path(output_dir or self.args.output_dir)
+        with writing(out, nbytes(state_dict)):  # a failed save leaves none of the files it began
+            self._write_model(out, state_dict)
+
+    def _write_model(self, out: Path, state_dict: dict) -> None:
         out.mkdir(parents=True, exist_ok=True)
+        wrapper = self.distill_model
         wrapper = self.distill_model
         state_dict = wrapper.state_dict() if state_dict is None else state_dict
         student_sd = {k[len("student.") :]: v for k, v in state_dict.items() if k.startswith("student.")}
