@@ -287,3 +287,12 @@ def test_kv_gradient_reaches_student_and_aligner_not_teachers(two_teachers):
 
 
 # ------------------------------------------------------------------ (d)-(h) options end to end
+
+
+def test_target_counts_split_ce_kd_and_transfer_targets_by_hand():
+    from kvdistill.train.model import target_counts
+
+    labels = torch.tensor([[-100, 5, 6, -100], [-100, -100, 7, 8], [1, 2, 3, 4]])  # targets: 2, 2, 3 (first dropped)
+    labelled = torch.tensor([True, False, True])
+    assert target_counts(labels, labelled).tolist() == [5, 7, 2]  # CE: rows 0 and 2; transfer: row 1
+    assert target_counts(labels, None).tolist() == [7, 7, 7]

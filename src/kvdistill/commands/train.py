@@ -59,8 +59,9 @@ def run_training(cfg: KVDistillConfig) -> Path:
 def check_earlier_run(cfg: KVDistillConfig) -> None:
     """Refuse an output_dir that holds a finished or partial run made with other settings (bookkeeping
     aside): its files and checkpoints would mix with this run's, and `--resume_from_checkpoint last`
-    would pick up the wrong run. `--overwrite_output_dir` trains over it anyway."""
-    if cfg.overwrite_output_dir:
+    would pick up the wrong run. `--overwrite_output_dir` trains over it anyway; a resumption (asked
+    for by `--resume_from_checkpoint`) has the checkpoint's own checks (same teachers, complete)."""
+    if cfg.overwrite_output_dir or cfg.resume_from_checkpoint:
         return
     out = Path(cfg.output_dir)
     steps = sorted((p for p in out.glob("checkpoint-*") if p.name.rsplit("-", 1)[1].isdigit()),

@@ -152,11 +152,11 @@ class KVDistillModel(nn.Module):
             hidden = torch.stack(out.hidden_states) if w.codi > 0 else None  # [L+1, B, T, d]
         # transfer records (labelled False) have targets for logit KD but no LM loss
         ce_labels = labels if labelled is None else labels.masked_fill(~labelled[:, None], -100)  # [B, T]
-        n_ce_local = (ce_labels[:, 1:] != -100).sum()
+        n_ce_local, n_kd_local, n_tr_local = target_counts(labels, labelled)
         n_ce = num_ce_tokens if num_ce_tokens is not None else n_ce_local.clamp(min=1)
         tr_labels = labels if labelled is None else labels.masked_fill(labelled[:, None], -100)  # transfer targets
-        n_tr = num_transfer_tokens if num_transfer_tokens is not None else (tr_labels[:, 1:] != -100).sum().clamp(min=1)
-        n_kd_local = (labels[:, 1:] != -100).sum().clamp(min=1)
+        n_tr = num_transfer_tokens if num_transfer_tokens is not None else n_tr_local.clamp(min=1)
+        n_kd_local = n_kd_local.clamp(min=1)
         n_kd = num_kd_tokens if num_kd_tokens is not None else n_kd_local
         sample_w = self.fusion.sample_weights(index)  # [B, N]
         names = list(self.aligners)
@@ -350,6 +350,17 @@ class KVDistillModel(nn.Module):
             h_t = self.codi[n](tkv.hidden_states[-1][b, pos_t].float())  # [B, d_s]
             total = total + codi_sum(h_s, h_t, (has_s & has_t).float() * sample_w[:, i])
         return total
+
+
+def target_counts(labels: Tensor, labelled: Tensor | None) -> Tensor:
+    """`[3]` next-token targets of a batch: CE (labelled records), logit KD (every record) and the
+    transfer LM term (transfer records). The model's local counts and the trainer's global ones."""
+    targets = labels[:, 1:] != -100  # [B, T-1]
+    kd = targets.sum()
+    if labelled is None:  # no record marked: each one counts for every term
+        return torch.stack([kd, kd, kd])
+    ce = (targets & labelled[:, None]).sum()
+    return torch.stack([ce, kd, kd - ce])
 
 
 def _item(x) -> float:

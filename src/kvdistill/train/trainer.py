@@ -33,7 +33,7 @@ from kvdistill.onpolicy import completion_batch, on_policy_step, sampling_seed, 
 from kvdistill.runs import METRICS, TEACHERS_FILE, TRAIN_CONFIG
 from kvdistill.teachers import TeacherSet, derangement
 from kvdistill.train.config import ConfigError, KVDistillConfig, card_sections
-from kvdistill.train.model import KVDistillModel
+from kvdistill.train.model import KVDistillModel, target_counts
 
 MODULES_FILE = "kvdistill_modules.safetensors"  # aligners, fusion logits, CODI heads
 COMPLETE_FILE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short
@@ -202,9 +202,7 @@ class KVDistillTrainer(Trainer):
         if not batch_samples or "labels" not in batch_samples[0]:
             return None
         m = self.distill_model
-        targets = [b["labels"][:, 1:] != -100 for b in batch_samples]  # [B, T-1] each
-        ce = sum(float((t & b["labelled"][:, None]).sum()) for t, b in zip(targets, batch_samples))
-        kd = sum(float(t.sum()) for t in targets)
+        ce, kd, _ = (float(x) for x in sum(target_counts(b["labels"], b["labelled"]) for b in batch_samples))
         kv = sum(float(m.kv_mask(b["segment_ids"], b["attention_mask"], b.get("token_fields")).sum())
                  for b in batch_samples)
         seqs = sum(float(b["input_ids"].shape[0]) for b in batch_samples)  # per-sample terms (CODI)
