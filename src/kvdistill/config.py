@@ -106,11 +106,6 @@ def check_ranges(obj: Any, rules: dict[str, str] | None = None, where: str = "")
             raise ConfigError(f"{where}{f.name} must be {rule or 'a finite number'}, got {value!r}{why}")
 
 
-def options_with(cls: type, key: str, value: Any) -> tuple[str, ...]:
-    """The names of `cls`'s fields whose metadata `key` is `value`, in declaration order."""
-    return tuple(f.name for f in fields(cls) if f.metadata.get(key) == value)
-
-
 def suggest(key: str, valid: Any) -> str:
     """`"; did you mean 'x'?"` for the closest valid name, or ""."""
     close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
