@@ -145,18 +145,19 @@ def nbytes(obj: Any) -> int:
 def writing(path: str | os.PathLike, size: int | None = None, scratch: str | os.PathLike | None = None
             ) -> Iterator[None]:
     """Run a block that writes `path` (a file or a directory of `size` bytes) into `scratch` (default
-    `path`): when it fails, the file `scratch`, or what the block created in the directory `scratch`
-    (all of it if it did not exist before), is removed, and a write the file system refused becomes
-    one `WriteError` naming `path`; any other error passes unchanged."""
+    `path`): when it fails, what the block created under `scratch` is removed (all of `scratch` if it
+    did not exist before; a file that did is kept: an append's cut last line is skipped by
+    `read_jsonl`), and a write the file system refused becomes one `WriteError` naming `path`; any
+    other error passes unchanged."""
     scratch = Path(path if scratch is None else scratch)
-    existed = scratch.is_dir()
-    before = set(scratch.rglob("*")) if existed else set()
+    existed = scratch.exists()
+    before = set(scratch.rglob("*")) if scratch.is_dir() else set()
     try:
         yield
     except BaseException as err:
         if not existed:
             shutil.rmtree(scratch) if scratch.is_dir() else scratch.unlink(missing_ok=True)
-        else:
+        elif scratch.is_dir():
             for p in sorted(set(scratch.rglob("*")) - before, reverse=True):  # children before their dirs
                 shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         failure = write_failure(err)
@@ -172,6 +173,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     (`WriteError` names it)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)  # a stale one, left by a killed run
     with writing(path, len(data), scratch=tmp):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_bytes(data)

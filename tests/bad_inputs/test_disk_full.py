@@ -126,3 +126,17 @@ def test_atomic_bytes_leave_the_old_file_when_the_disk_is_full(tmp_path, fsize_l
     with pytest.raises(WriteError, match=r"plot\.png"):
         write_bytes_atomic(path, bytes(5000))
     assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["plot.png"]
+
+
+def test_an_append_that_meets_a_full_disk_keeps_the_file_and_names_it(tmp_path, fsize_limit):
+    """`metrics.jsonl` is appended to: its earlier rows stay, the cut last line is skipped when read."""
+    from kvdistill.io import read_jsonl
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n')
+    fsize_limit(100)
+    line = '{"step": 2, "loss": ' + "1" * 200 + "}\n"
+    with pytest.raises(WriteError, match=r"metrics\.jsonl failed \(File too large; 222 B to write"), writing(metrics, len(line)), \
+            metrics.open("a") as f:
+        f.write(line)
+    assert read_jsonl(metrics) == [{"step": 1}]

@@ -92,8 +92,9 @@ class MetricsFileCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as f:
-                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+            line = json.dumps({"step": state.global_step, **logs}) + "\n"
+            with writing(self.path, len(line)), self.path.open("a") as f:  # a full disk: one line naming the file
+                f.write(line)
 
 
 class AccuracyCallback(TrainerCallback):
@@ -437,14 +438,14 @@ class KVDistillTrainer(Trainer):
         if not self.args.should_save:  # FSDP / DeepSpeed call this on every rank; the main one writes
             return
         out = Path(output_dir or self.args.output_dir)
+        wrapper = self.distill_model
+        state_dict = wrapper.state_dict() if state_dict is None else state_dict
         with writing(out, nbytes(state_dict)):  # a failed save leaves none of the files it began
             self._write_model(out, state_dict)
 
     def _write_model(self, out: Path, state_dict: dict) -> None:
         out.mkdir(parents=True, exist_ok=True)
         wrapper = self.distill_model
-        wrapper = self.distill_model
-        state_dict = wrapper.state_dict() if state_dict is None else state_dict
         student_sd = {k[len("student.") :]: v for k, v in state_dict.items() if k.startswith("student.")}
         wrapper.student.save_pretrained(out, state_dict=student_sd)
         extra = {k: v.detach().contiguous().cpu() for k, v in state_dict.items() if not k.startswith("student.")}
