@@ -38,7 +38,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # how a command picks up after a failed write, said after "then rerun"
 RERUN = {"train": " with --resume_from_checkpoint last (it resumes from the last complete checkpoint)",
-         "capture": " the same capture (it keeps the shards written)"}
+         "capture": " the same capture (it keeps the shards written)",
+         "ablate": " the same ablation (it resumes where it stopped)"}
 
 
 def user_errors() -> tuple[type[Exception], ...]:
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug or failure is None:
             raise
         # a full disk mid-run: the failed write was cleaned up; the last complete checkpoint / shard stands
-        failed = err if isinstance(err, WriteError) else WriteError(err.filename or "?", None, *failure)
+        failed = err if isinstance(err, WriteError) else WriteError(err.filename or "an output file", None, *failure)
         print(f"kvdistill {argv[0]}: error: {failed}{RERUN.get(argv[0], '')}", file=sys.stderr)
         return 2
 
