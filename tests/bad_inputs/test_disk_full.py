@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import resource
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,20 @@ def test_a_full_disk_stops_in_one_line_and_leaves_nothing_half_written(argv, exp
     assert_refused(rc, err, args[0], ("no space left on the device", *expect))
     assert not half_written(ctx.out), half_written(ctx.out)
     assert not list(ctx.out.rglob("checkpoint-*")) and not (ctx.out / "model.safetensors").exists()
+
+
+def over_an_old_checkpoint(c) -> list:
+    """`--overwrite_output_dir` into a dir holding a complete checkpoint-1: the new save goes over it."""
+    shutil.copytree(c.checkpoint(), c.out / "checkpoint-1")
+    return [*checkpointing(c), "--overwrite_output_dir", "true"]
+
+
+@pytest.mark.parametrize("argv", [pytest.param(over_an_old_checkpoint, id="over_a_complete_checkpoint",
+                                               marks=TORCH_SAVE_FAILS)])
+def test_a_save_that_fails_over_an_old_checkpoint_leaves_it_marked_incomplete(argv, children, request):
+    rc, _, err, ctx, _, _ = children.result(request.node.nodeid)
+    assert_refused(rc, err, "train", ("no space left on the device", "checkpoint-1"))
+    assert not (ctx.out / "checkpoint-1" / "checkpoint_complete.json").exists()  # resume `last` will not pick it
 
 
 def test_eval_items_that_meet_a_full_disk_are_not_left_half_written(world, tmp_path, capsys, monkeypatch):

@@ -423,6 +423,8 @@ class KVDistillTrainer(Trainer):
         # a failed save (full disk) removes the checkpoint dir and stops in one line naming it
         size = nbytes(self.distill_model.state_dict()) + nbytes(getattr(self.optimizer, "state", {}))
         with writing(ckpt, size) if self.args.should_save else nullcontext():
+            if self.args.should_save:  # saving over an old checkpoint (--overwrite_output_dir): incomplete until done
+                (ckpt / COMPLETE_FILE).unlink(missing_ok=True)
             try:
                 super()._save_checkpoint(model, trial)
             finally:
