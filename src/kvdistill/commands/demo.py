@@ -374,7 +374,10 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
 
     _log(f"[6/7] students at {budget} steps: SFT, logit KD, KV")
     _log(f"[7/7] test evaluation on {sizes.test} held-out problems, each model's as soon as it is trained")
-    teacher_list = "[" + ", ".join(f"{{path: {p}}}" for p in teachers.values()) + "]"
+    # the logit-KD student reads teacher_qwen2's logits only, as in every committed result; cross-vocab KD
+    # from teacher_llama (another tokenizer) is an arm of its own (docs/training.md, the logit channel)
+    teacher_list = "[" + ", ".join(f"{{path: {p}}}" if n == TRANSFER_TEACHER else f"{{path: {p}, logit_kd: off}}"
+                                   for n, p in teachers.items()) + "]"
     runs = {name: out / "runs" / name for name in STUDENTS}
     train = {name: ["--config", str(config_path(cfg_name)), *common, "--teachers", teacher_list,
                     "--transfer_data", str(transfer / EVAL_ITEMS), "--transfer_field_map", TRANSFER_FIELDS,
