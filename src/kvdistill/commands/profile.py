@@ -151,7 +151,7 @@ def profile_pair(args: ProfileConfig) -> dict[str, Any]:
     collate = DistillCollator(s_tok, args.max_length, teachers={"teacher": TeacherView(t_tok)})
     batch = collate(records)
     s_in = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "segment_ids")}
-    t_in = {k: v.to(device) for k, v in batch["teacher_inputs"]["teacher"].items()}
+    t_in = {k: batch["teacher_inputs"]["teacher"][k].to(device) for k in ("input_ids", "attention_mask", "segment_ids")}
 
     rows: list[dict[str, Any]] = []
 
