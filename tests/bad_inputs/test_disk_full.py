@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import resource
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -94,12 +95,16 @@ def test_eval_items_that_meet_a_full_disk_are_not_left_half_written(world, tmp_p
     assert not files_under(out), files_under(out)
 
 
-@pytest.fixture
-def fsize_limit():
-    """`fsize_limit(n)`: writes by this process past `n` bytes fail (EFBIG) until the test ends."""
+@contextmanager
+def fsize_limit(n: int):
+    """Writes by this process past `n` bytes fail (EFBIG) inside the block. Lifted before the test
+    returns: pytest writes its report (to a file, when its output is redirected) under the same limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    yield lambda n: resource.setrlimit(resource.RLIMIT_FSIZE, (n, hard))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 @pytest.mark.parametrize("write, reason", [
@@ -107,11 +112,10 @@ def fsize_limit():
     (lambda p, x: save_file({"x": x}, str(p)), "File too large"),
     (lambda p, x: p.write_bytes(x.numpy().tobytes()), "File too large"),
 ], ids=["torch_save", "safetensors", "python"])
-def test_each_library_s_failed_write_becomes_one_write_error(write, reason, tmp_path, fsize_limit):
+def test_each_library_s_failed_write_becomes_one_write_error(write, reason, tmp_path):
     x = torch.zeros(50_000)  # 200 KB
     target = tmp_path / "run" / "weights"
-    fsize_limit(100_000)
-    with pytest.raises(WriteError) as caught, writing(tmp_path / "run", x.nbytes):
+    with fsize_limit(100_000), pytest.raises(WriteError) as caught, writing(tmp_path / "run", x.nbytes):
         target.parent.mkdir()
         write(target, x)
     assert caught.value.reason == reason and caught.value.nbytes == 200_000
@@ -119,10 +123,9 @@ def test_each_library_s_failed_write_becomes_one_write_error(write, reason, tmp_
     assert not (tmp_path / "run").exists()  # the dir the block made is gone with its half file
 
 
-def test_a_failed_write_into_an_existing_dir_removes_only_what_it_made(tmp_path, fsize_limit):
+def test_a_failed_write_into_an_existing_dir_removes_only_what_it_made(tmp_path):
     (tmp_path / "old.json").write_text("{}")
-    fsize_limit(1000)
-    with pytest.raises(WriteError, match=r"new\.bin"), writing(tmp_path / "new.bin", 5000):
+    with fsize_limit(1000), pytest.raises(WriteError, match=r"new\.bin"), writing(tmp_path / "new.bin", 5000):
         (tmp_path / "new.bin").write_bytes(bytes(5000))
     assert [p.name for p in tmp_path.iterdir()] == ["old.json"]
 
@@ -135,23 +138,21 @@ def test_an_error_that_is_not_a_write_passes_unchanged_and_still_cleans_up(tmp_p
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_atomic_bytes_leave_the_old_file_when_the_disk_is_full(tmp_path, fsize_limit):
+def test_atomic_bytes_leave_the_old_file_when_the_disk_is_full(tmp_path):
     path = write_bytes_atomic(tmp_path / "plot.png", b"old")
-    fsize_limit(1000)
-    with pytest.raises(WriteError, match=r"plot\.png"):
+    with fsize_limit(1000), pytest.raises(WriteError, match=r"plot\.png"):
         write_bytes_atomic(path, bytes(5000))
     assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["plot.png"]
 
 
-def test_an_append_that_meets_a_full_disk_keeps_the_file_and_names_it(tmp_path, fsize_limit):
+def test_an_append_that_meets_a_full_disk_keeps_the_file_and_names_it(tmp_path):
     """`metrics.jsonl` is appended to: its earlier rows stay, the cut last line is skipped when read."""
     from kvdistill.io import read_jsonl
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1}\n')
-    fsize_limit(100)
     line = '{"step": 2, "loss": ' + "1" * 200 + "}\n"
-    with pytest.raises(WriteError, match=r"metrics\.jsonl failed \(File too large; 222 B to write"), writing(metrics, len(line)), \
-            metrics.open("a") as f:
+    with fsize_limit(100), pytest.raises(WriteError, match=r"metrics\.jsonl failed \(File too large; 222 B to write"), \
+            writing(metrics, len(line)), metrics.open("a") as f:
         f.write(line)
     assert read_jsonl(metrics) == [{"step": 1}]
