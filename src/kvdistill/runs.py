@@ -8,6 +8,11 @@
         train_config.yaml              ASKED_CONFIG: what `kvdistill ablate` asked the run to train with
         eval/                          EVAL_DIR: ablate's evaluation of the run
             summary.json, items.jsonl  EVAL_SUMMARY, EVAL_ITEMS: `kvdistill eval --output_dir ...`
+        checkpoint-N/                  a checkpoint (a model dir + trainer state), complete once it holds
+            checkpoint_complete.json   COMPLETE_FILE, written last
+
+The final model is the run dir itself: config.json, weights, tokenizer, teachers.json, and last
+kvdistill_config.yaml (the trainer's `_save` writes that file after the weights).
 
 Everything here reads plain files; which options may differ between a finished run and a new
 request (`ignore`) is the caller's (`train.config.BOOKKEEPING`, derived from the options' roles).
@@ -15,7 +20,7 @@ request (`ignore`) is the caller's (`train.config.BOOKKEEPING`, derived from the
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,8 @@ ASKED_CONFIG = "train_config.yaml"
 EVAL_DIR = "eval"
 EVAL_SUMMARY = "summary.json"
 EVAL_ITEMS = "items.jsonl"
+CHECKPOINT = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: checkpoint-<global step>
+COMPLETE_FILE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short
 
 
 def trained(rdir: str | Path) -> bool:
@@ -42,6 +49,51 @@ def trained(rdir: str | Path) -> bool:
 def evaluated(eval_dir: str | Path) -> bool:
     """`eval_dir` holds a finished evaluation (its `summary.json`)."""
     return (Path(eval_dir) / EVAL_SUMMARY).exists()
+
+
+def checkpoints(run_dir: str | Path) -> list[Path]:
+    """The `checkpoint-N` dirs of a run, complete or not, oldest first."""
+    steps = {int(p.name.rsplit("-", 1)[1]): p for p in Path(run_dir).glob(f"{CHECKPOINT}-*")
+             if p.name.rsplit("-", 1)[1].isdigit() and p.is_dir()}
+    return [steps[k] for k in sorted(steps)]
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """`checkpoint-N` dirs of a run that were saved to the end (they hold `COMPLETE_FILE`), oldest first."""
+    return [p for p in checkpoints(run_dir) if (p / COMPLETE_FILE).is_file()]
+
+
+def resolve_model(path: str | Path, doing: str, log: Callable[[str], None] = print) -> str:
+    """The model dir that `path` names; when `path` is a run, one line (`log`) says which model
+    `doing` (e.g. "evaluating") takes and why.
+
+    A run dir (it holds kvdistill_config.yaml, metrics.jsonl or checkpoint-N dirs) gives its final
+    model when the final save went to its end (config.json and kvdistill_config.yaml, written last),
+    else its newest complete checkpoint; a checkpoint dir gives itself when complete. An incomplete
+    checkpoint is never picked: a run with no final model and no complete checkpoint, or an
+    incomplete checkpoint named directly, is a ConfigError. Hub ids and plain model dirs pass unchanged."""
+    p = Path(path)
+    if not p.is_dir():
+        return str(path)
+    if p.name.startswith(f"{CHECKPOINT}-") and p.name.rsplit("-", 1)[1].isdigit() and (p / TRAIN_CONFIG).exists():
+        if not (p / COMPLETE_FILE).is_file():
+            done = complete_checkpoints(p.parent)
+            raise ConfigError(f"checkpoint {p} is incomplete (no {COMPLETE_FILE}: the run stopped while saving it); "
+                              f"pass {done[-1] if done else 'a complete checkpoint or the finished run dir'} instead")
+        return str(path)
+    saved = checkpoints(p)
+    if not saved and not (p / TRAIN_CONFIG).exists() and not (p / METRICS).exists():
+        return str(path)  # a plain model dir (or not a model: the loader says so)
+    if (p / TRAIN_CONFIG).exists() and (p / "config.json").exists():
+        log(f"{doing} {p} (the run's final model)")
+        return str(path)
+    done = complete_checkpoints(p)
+    if done:
+        log(f"{doing} {done[-1]} (newest complete checkpoint; the run has no final model)")
+        return str(done[-1])
+    cut = f" ({', '.join(c.name for c in saved)} incomplete: no {COMPLETE_FILE})" if saved else ""
+    raise ConfigError(f"run {p} has no final model and no complete checkpoint{cut}; train it to the end "
+                      f"(kvdistill train --output_dir {p} ...) or pass another model dir")
 
 
 def differing(saved: Mapping[str, Any], now: Mapping[str, Any], ignore: Collection[str] = (),

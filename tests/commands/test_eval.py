@@ -5,11 +5,12 @@ import math
 
 import pytest
 
-from kvdistill.commands.eval import main, resolve_model_dir
+from kvdistill.commands.eval import main
 from kvdistill.config import ConfigError
 from kvdistill.evaluate.scoring import (
     read_items,
 )
+from kvdistill.runs import COMPLETE_FILE, TRAIN_CONFIG, resolve_model
 
 
 def test_cli_writes_items_and_summary(tiny_world, tmp_path, capsys):
@@ -45,15 +46,31 @@ def test_cli_writes_items_and_summary(tiny_world, tmp_path, capsys):
     assert "answer NLL" in capsys.readouterr().out
 
 
-def test_resolve_model_dir(tmp_path):
-    run = tmp_path / "run"
-    for step in (5, 10, 9):
+def test_resolve_model(tmp_path):
+    """A run dir: its final model, else its newest complete checkpoint (never an incomplete one)."""
+    run, said = tmp_path / "run", []
+    for step in (5, 10, 9, 12):
         (run / f"checkpoint-{step}").mkdir(parents=True)
         (run / f"checkpoint-{step}" / "config.json").write_text("{}")
-    assert resolve_model_dir(run) == str(run / "checkpoint-10")
-    (run / "config.json").write_text("{}")
-    assert resolve_model_dir(run) == str(run)
-    assert resolve_model_dir("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+        (run / f"checkpoint-{step}" / TRAIN_CONFIG).write_text("{}")
+        if step != 12:  # checkpoint-12 was cut short
+            (run / f"checkpoint-{step}" / COMPLETE_FILE).write_text("{}")
+    assert resolve_model(run, "evaluating", said.append) == str(run / "checkpoint-10")
+    assert said == [f"evaluating {run / 'checkpoint-10'} (newest complete checkpoint; the run has no final model)"]
+    (run / "config.json").write_text("{}")  # the final save began, and did not reach its last file
+    assert resolve_model(run, "evaluating", said.append) == str(run / "checkpoint-10")
+    (run / TRAIN_CONFIG).write_text("{}")
+    assert resolve_model(run, "evaluating", said.append) == str(run)
+    assert said[-1] == f"evaluating {run} (the run's final model)"
+    with pytest.raises(ConfigError, match=r"checkpoint-12 is incomplete .* pass .*checkpoint-10 instead"):
+        resolve_model(run / "checkpoint-12", "evaluating")
+    assert resolve_model(run / "checkpoint-9", "evaluating", said.append) == str(run / "checkpoint-9")
+    assert resolve_model("Qwen/Qwen2.5-0.5B", "evaluating", said.append) == "Qwen/Qwen2.5-0.5B"
+    plain = tmp_path / "model"
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    assert resolve_model(plain, "evaluating", said.append) == str(plain)
+    assert len(said) == 3  # a checkpoint, a Hub id or a plain model dir: nothing to say
 
 
 def test_kvdistill_run_dir_uses_its_training_template(tiny_world, tmp_path):

@@ -20,6 +20,7 @@ from kvdistill.config import ConfigError, check_choice, check_output_dir, option
 from kvdistill.data import DEFAULT_TEMPLATE, format_example, format_prompt, load_records, shorten_rationale
 from kvdistill.evaluate.scoring import CHAT_MODES, evaluate_model, use_chat, write_results
 from kvdistill.report import environment
+from kvdistill.runs import resolve_model
 
 
 @dataclass
@@ -63,28 +64,6 @@ class EvalConfig:
 
 
 # ----------------------------------------------------------------------------- model dirs
-
-
-def resolve_model_dir(path: str | Path) -> str:
-    """Where the HF weights of `path` are: the dir itself, its `student/`, or its latest checkpoint.
-
-    A kvdistill run dir holds the final student at top level; a run still in progress only has
-    `checkpoint-N/` dirs. Hub ids and plain model dirs are returned unchanged.
-    """
-    p = Path(path)
-    if not p.is_dir() or (p / "config.json").exists():
-        return str(path)
-    if (p / "student" / "config.json").exists():
-        return str(p / "student")
-    ckpts = sorted(
-        (c for c in p.glob("checkpoint-*") if c.name.split("-")[-1].isdigit()),
-        key=lambda c: int(c.name.split("-")[-1]),
-    )
-    for c in reversed(ckpts):
-        for cand in (c / "student", c):
-            if (cand / "config.json").exists():
-                return str(cand)
-    return str(path)
 
 
 def _tokenizer_dir(model_dir: str) -> str:
@@ -177,7 +156,7 @@ def run_eval(
 
     if out is not None:
         check_output_dir(out)
-    model_dir = resolve_model_dir(model_path)
+    model_dir = resolve_model(model_path, "evaluating", log)  # a run: its final model, else its newest complete checkpoint
     trained = training_prompt_settings(model_dir) or {}
     for key in ("template", "chat_template"):
         if kwargs.get(key) is None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvdistill.commands.eval import _tokenizer_dir, check_lengths, resolve_model_dir, training_prompt_settings
+from kvdistill.commands.eval import _tokenizer_dir, check_lengths, training_prompt_settings
 from kvdistill.config import ConfigError, check_choice, option, parse_config, to_plain
 from kvdistill.data import DEFAULT_TEMPLATE, format_prompt, load_records
 from kvdistill.evaluate.scoring import (
@@ -38,6 +38,7 @@ from kvdistill.evaluate.scoring import (
     use_chat,
 )
 from kvdistill.io import write_text_atomic
+from kvdistill.runs import resolve_model
 
 
 @dataclass
@@ -107,7 +108,7 @@ def run_generate(cfg: GenerateConfig, log: Callable[[str], None] = print) -> dic
     out = Path(cfg.output)
     if out.suffix != ".jsonl":
         raise ConfigError(f"--output {out} must be a .jsonl file (it is read back as transfer_data)")
-    model_dir = resolve_model_dir(cfg.model)
+    model_dir = resolve_model(cfg.model, "generating with", log)
     trained = training_prompt_settings(model_dir) or {}
     template = cfg.template or trained.get("template") or DEFAULT_TEMPLATE
     chat_mode = cfg.chat_template or trained.get("chat_template") or "auto"

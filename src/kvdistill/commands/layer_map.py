@@ -41,6 +41,7 @@ from kvdistill.cache import extract_kv
 from kvdistill.config import ConfigError, check_choice, check_output_dir, option, parse_config, to_plain
 from kvdistill.data import DEFAULT_TEMPLATE, DistillCollator
 from kvdistill.models import check_length, check_vocab, max_positions, model_device, num_layers
+from kvdistill.runs import resolve_model
 
 REPRESENTATIONS = ("hidden", "keys", "values")
 
@@ -362,11 +363,13 @@ def main(argv: list[str]) -> int:
     device = resolve_device(a.device)
     torch.manual_seed(a.seed)
     records = sample_records(load_records(a.data, split=a.split, field_map=field_map), a.samples, a.seed)
-    student, s_tok = load_model(a.student, dtype=a.dtype, device=device), load_tokenizer(a.student)
+    s_dir = resolve_model(a.student, "layer-map of the student")  # a run: its final model or newest complete checkpoint
+    student, s_tok = load_model(s_dir, dtype=a.dtype, device=device), load_tokenizer(s_dir)
     check_model(a, student, s_tok, f"student {a.student}")
     for teacher_path, out in zip(a.teacher, outs):
-        teacher = load_model(teacher_path, dtype=a.dtype, device=device, quantization=a.quantization)
-        t_tok = load_tokenizer(teacher_path)
+        t_dir = resolve_model(teacher_path, "layer-map of the teacher")
+        teacher = load_model(t_dir, dtype=a.dtype, device=device, quantization=a.quantization)
+        t_tok = load_tokenizer(t_dir)
         check_model(a, teacher, t_tok, f"teacher {teacher_path}")
         if a.top_k > num_layers(teacher):
             raise ConfigError(f"--top_k {a.top_k} is more than the {num_layers(teacher)} layers of teacher "

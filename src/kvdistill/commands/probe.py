@@ -31,6 +31,7 @@ from torch import nn
 from kvdistill.config import ConfigError, check_choice, check_output_dir, option, parse_config, to_plain
 from kvdistill.data import DEFAULT_TEMPLATE, DataError
 from kvdistill.probe import KINDS, LAMBDAS, READOUTS, collect_rows, parse_rows, parse_target, probe_rows
+from kvdistill.runs import resolve_model
 
 FORMAT = "kvdistill-probe/1"
 
@@ -190,7 +191,8 @@ def main(argv: list[str]) -> int:
     metric = "accuracy" if classification else "R²"
     models, cells, taken = [], [], set()
     for path in a.model:
-        model, tok = load_model(path, dtype=a.dtype, device=device), load_tokenizer(path)
+        found = resolve_model(path, "probing")  # a run: its final model or newest complete checkpoint
+        model, tok = load_model(found, dtype=a.dtype, device=device), load_tokenizer(found)
         check_vocab(model, tok, path)
         check_length(model, a.max_length, path, f"--max_length {a.max_length}", "lower --max_length")
         name = _short_name(path, taken)

@@ -30,26 +30,18 @@ from kvdistill.controls import oracle_cache
 from kvdistill.io import nbytes, read_jsonl, write_json_atomic, write_text_atomic, writing
 from kvdistill.models import num_layers
 from kvdistill.onpolicy import completion_batch, on_policy_step, sampling_seed, write_completions
-from kvdistill.runs import METRICS, TEACHERS_FILE, TRAIN_CONFIG
+from kvdistill.runs import COMPLETE_FILE, METRICS, TEACHERS_FILE, TRAIN_CONFIG, complete_checkpoints
 from kvdistill.teachers import TeacherSet, derangement
 from kvdistill.train.config import ConfigError, KVDistillConfig, card_sections
 from kvdistill.train.model import KVDistillModel, target_counts
 
 MODULES_FILE = "kvdistill_modules.safetensors"  # aligners, fusion logits, CODI heads
-COMPLETE_FILE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short
 
 logger = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
     """A loss or gradient became NaN/inf; the message names where it first appeared."""
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """`checkpoint-N` dirs of a run that were saved to the end (they hold `COMPLETE_FILE`), oldest first."""
-    steps = {int(p.name.rsplit("-", 1)[1]): p for p in Path(run_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
-             if p.name.rsplit("-", 1)[1].isdigit() and (p / COMPLETE_FILE).is_file()}
-    return [steps[k] for k in sorted(steps)]
 
 
 def resolve_checkpoint(run_dir: str | Path, resume: str | bool | None) -> str | None:
@@ -447,6 +439,9 @@ class KVDistillTrainer(Trainer):
 
     def _write_model(self, out: Path, state_dict: dict) -> None:
         out.mkdir(parents=True, exist_ok=True)
+        # TRAIN_CONFIG, written last, marks a finished model (runs.resolve_model): a save over an old one
+        # (--overwrite_output_dir) cut short must not leave the old marker beside half-new weights
+        (out / TRAIN_CONFIG).unlink(missing_ok=True)
         wrapper = self.distill_model
         student_sd = {k[len("student.") :]: v for k, v in state_dict.items() if k.startswith("student.")}
         wrapper.student.save_pretrained(out, state_dict=student_sd)
