@@ -244,7 +244,7 @@ def load_capture(root: Path, settings: Mapping[str, Any], cache: TeacherCache, k
             a, b = starts[j], starts[j + 1]
             entry = {"segment_ids": t["segment_ids"][a:b].long()}
             entry.update({f: t[f][a:b].to(live) for f in _FLOAT_FIELDS if f in t})
-            cache.store[(*key, i)] = entry
+            cache.add(key, i, entry)
             n += 1
     if n != manifest["n_records"]:
         raise CaptureError(f"capture {root} holds {n} records, its manifest says {manifest['n_records']}; "

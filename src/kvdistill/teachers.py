@@ -104,14 +104,26 @@ class TeacherCache:
     """
 
     def __init__(self):
-        self.store: dict[tuple, dict[str, Tensor]] = {}
+        self._store: dict[tuple, dict[str, Tensor]] = {}  # (*key, record id) -> entry
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def missing(self, key: tuple, index: Tensor) -> list[int]:
+        """The record ids of `index` with no entry under `key`."""
+        return [int(i) for i in index if (*key, int(i)) not in self._store]
 
     def has(self, key: tuple, index: Tensor) -> bool:
-        return all((*key, int(i)) in self.store for i in index)
+        return not self.missing(key, index)
 
     def take(self, key: tuple, index: int) -> dict[str, Tensor]:
         """Remove and return one record's entry (a capture writes it out and keeps no copy)."""
-        return self.store.pop((*key, index))
+        return self._store.pop((*key, index))
+
+    def add(self, key: tuple, index: int, entry: dict[str, Tensor]) -> None:
+        """Store one record's entry as `put` makes it (unpadded, time-major: `keys [T_i, L, H, D]`,
+        `segment_ids [T_i]`, ...): a capture read back from disk fills the cache as a live teacher does."""
+        self._store[(*key, index)] = entry
 
     def put(self, key: tuple, index: Tensor, kv: KVCache, logits: Tensor | None) -> None:
         lengths = kv.attention_mask.sum(1).tolist()  # right padding: the first n tokens are real
@@ -128,13 +140,13 @@ class TeacherCache:
                 entry["queries"] = kv.queries[:, b, :, :n].permute(2, 0, 1, 3).cpu()  # [T_i, L, H_q, D]
             if logits is not None:
                 entry["logits"] = logits[b, :n].cpu()  # [T_i, V]
-            self.store[(*key, int(i))] = entry
+            self.add(key, int(i), entry)
 
     def get(self, key: tuple, index: Tensor, device: torch.device) -> tuple[KVCache, Tensor | None]:
         """The batch of records `index [B]`, right-padded: KV `[L, B, H, T, D]`, logits `[B, T, V]`."""
         from torch.nn.utils.rnn import pad_sequence
 
-        entries = [self.store[(*key, int(i))] for i in index]
+        entries = [self._store[(*key, int(i))] for i in index]
 
         def stack(field: str, pad: float = 0.0) -> Tensor:
             return pad_sequence([e[field] for e in entries], batch_first=True, padding_value=pad).to(device)
@@ -234,7 +246,7 @@ class TeacherSet:
             if self.cache.has(key, index):
                 return self.cache.get(key, index, input_ids.device)
             if is_captured(self.teachers[name]):
-                missing = [int(i) for i in index if (*key, int(i)) not in self.cache.store]
+                missing = self.cache.missing(key, index)
                 raise ConfigError(f"teacher {name} is read from a capture that lacks records {missing[:5]} (or was "
                                   "made without hidden states / logits / queries this run needs); capture again with this "
                                   "run's config")

@@ -361,7 +361,7 @@ def test_teacher_cache_equals_live_teachers(base_args, tiny_world, tmp_path):
         trainer.train()
         logs[cache] = [(r["loss"], r["kv_loss"]) for r in _rows_of(trainer)]
         if cache:
-            assert len(trainer.teachers.cache.store) == 2 * 8  # two teachers x 8 records, computed once
+            assert len(trainer.teachers.cache) == 2 * 8  # two teachers x 8 records, computed once
     torch.testing.assert_close(torch.tensor(logs[True]), torch.tensor(logs[False]), rtol=1e-4, atol=1e-5)
 
 
