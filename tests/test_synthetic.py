@@ -5,7 +5,7 @@ import re
 import pytest
 
 from kvdistill.data import split_answer
-from kvdistill.synthetic import generate_problems, make_splits, write_dataset
+from kvdistill.synthetic import generate_problems, make_splits, write_dataset, write_jsonl
 
 
 def test_deterministic_by_seed():
@@ -38,3 +38,19 @@ def test_difficulty_knobs_and_errors(tmp_path):
         generate_problems(3, min_steps=3, max_steps=2)
     out = write_dataset(tmp_path, 10, 5)
     assert (out / "train.jsonl").read_text().count("\n") == 10
+
+
+def test_write_jsonl_is_atomic(tmp_path):
+    """A write that fails part way (here the records run out with an error) leaves the old file whole and
+    no temp file: a later run never reads a cut dataset as a smaller one."""
+    path = write_jsonl(generate_problems(4, seed=0), tmp_path / "train.jsonl")
+    before = path.read_bytes()
+    assert before.decode().splitlines()[0].startswith('{"question": ')
+
+    def cut_short():
+        yield from generate_problems(3, seed=1)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_jsonl(cut_short(), path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["train.jsonl"]

@@ -12,6 +12,8 @@ import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from kvdistill.io import write_text_atomic
+
 NAMES = ("Tom", "Ann", "Sam", "Mia", "Leo", "Ava", "Ben", "Zoe", "Max", "Eva", "Jay", "Ivy")
 ITEMS = ("apples", "coins", "books", "cards", "pens", "shells", "stamps", "eggs")
 OPS = ("add", "sub", "mul")
@@ -77,12 +79,9 @@ def make_splits(n_train: int, n_test: int, seed: int = 0, **knobs) -> tuple[list
 
 
 def write_jsonl(records: Iterable[dict], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    return path
+    """One JSON object a line, written atomically (`io.write_text_atomic`): a killed or failed write
+    leaves no half file that a later run would read as a smaller dataset."""
+    return write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def write_dataset(out_dir: str | Path, n_train: int, n_test: int, seed: int = 0, **knobs) -> Path:

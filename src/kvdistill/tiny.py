@@ -21,6 +21,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from kvdistill.io import write_json_atomic
 from kvdistill.models import build_tokenizer, save_random_model
 from kvdistill.synthetic import make_splits, write_jsonl
 
@@ -91,9 +92,9 @@ def build_tiny_world(root: str | Path, seed: int = 0, n_train: int = 256, n_test
     torch.manual_seed(seed)
     for name, (cfg, tok_name) in tiny_configs(len(toks["bpe"]), len(toks["bpe_alt"])).items():
         world.models[name] = save_random_model(cfg, toks[tok_name], root / "models" / name)
-    manifest.write_text(json.dumps({
+    write_json_atomic(manifest, {  # written last: its presence means the world is whole
         "models": {k: str(v) for k, v in world.models.items()},
         "tokenizers": {k: str(v) for k, v in world.tokenizers.items()},
         "data_dir": str(world.data_dir),
-    }, indent=1))
+    })
     return world

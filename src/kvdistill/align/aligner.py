@@ -38,6 +38,7 @@ from kvdistill.align.layer_map import mapped_rows, proportional_map, sparse_laye
 from kvdistill.align.projectors import PROJECTOR_KINDS, LinearProjector, bag_linear, build_projector
 from kvdistill.align.time import TIME_MODES, TimeIndex, kv_bags, resample_kv, time_index
 from kvdistill.cache import KVCache
+from kvdistill.io import write_json_atomic
 from kvdistill.report import param_count
 
 ALIGNER_FORMAT = "kvdistill.aligner/v1"
@@ -425,9 +426,7 @@ class KVAligner(nn.Module):
         weights.parent.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().cpu().contiguous() for k, v in (self.state_dict() if state is None else state).items()}
         save_file(state, str(weights), metadata={"format": ALIGNER_FORMAT})
-        meta.write_text(
-            json.dumps({"format": ALIGNER_FORMAT, "config": self.config, "dims": self._dims}, indent=1)
-        )
+        write_json_atomic(meta, {"format": ALIGNER_FORMAT, "config": self.config, "dims": self._dims})
         return weights
 
     @classmethod
