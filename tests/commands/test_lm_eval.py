@@ -71,7 +71,7 @@ def test_shipped_task_settings_are_kvdistill_evals(tiny_world, tmp_path):
     assert task.doc_to_target(doc) == gold_answer(doc["answer"])
     gen = task.config.generation_kwargs
     assert gen["until"] == default_stop_strings(DEFAULT_TEMPLATE)
-    assert gen["max_gen_toks"] == EvalConfig(model="m").max_new_tokens and gen["do_sample"] is False
+    assert gen["max_gen_toks"] == EvalConfig(model="m", data="d").max_new_tokens and gen["do_sample"] is False
 
 
 def test_lm_eval_scores_like_kvdistill_eval(student, tiny_world, tmp_path):
