@@ -176,3 +176,19 @@ def test_a_benchmark_file_run_as_a_script_prints_its_run_as_json(monkeypatch, ca
         bench.run_standalone(lambda quick: {}, "Benchmark: fake.\n\nMore.", "small shapes")
     out = capsys.readouterr().out
     assert "Benchmark: fake." in out and "More." not in out and "small shapes" in out
+
+
+def test_peer_benchmark_runs_against_trl_or_says_why_not(tmp_path: Path, monkeypatch) -> None:
+    """`kvdistill bench --only peer`: with trl installed, both trainers on one job (ratios, equal loss
+    formulas); without it (CI installs no `[peer]` extra), a skip that names the extra."""
+    from importlib.util import find_spec
+
+    out = tmp_path / "results"
+    bench.main(["--only", "peer", "--quick", "--out", str(out)])
+    res = json.loads((out / "peer.json").read_text())["result"]
+    if find_spec("trl") is None:
+        assert "pip install 'kvdistill[peer]'" in res["skipped"] and res["results"] == []
+        return
+    row = res["results"][0]
+    assert res["ratio_vs_trl"] == max(row["ratio_vs_trl_offpolicy"], row["ratio_vs_trl_onpolicy"]) > 0
+    assert row["formula_abs_diff_t1"] < 1e-6 and row["formula_abs_diff_t2_over_t2"] < 1e-6

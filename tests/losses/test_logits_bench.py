@@ -40,6 +40,7 @@ def test_measure_variant_sees_the_logits(mod):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_bench_logits_quick_run(tmp_path: Path):
     """End to end through `kvdistill bench`: a fresh process per variant, JSON + README with the headline."""
     out = tmp_path / "results"

@@ -24,6 +24,7 @@ def _args(base_args, tiny_world, out):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_ddp_ranks_sample_differently_and_train(base_args, tiny_world, launch, tmp_path):
     out = tmp_path / "ddp"
     r = launch(DDP, [__file__, *_args(base_args, tiny_world, out)])
@@ -35,6 +36,7 @@ def test_ddp_ranks_sample_differently_and_train(base_args, tiny_world, launch, t
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fsdp_refuses_generation_in_one_line(base_args, tiny_world, launch, tmp_path):
     argv = _args(base_args, tiny_world, tmp_path / "fsdp")
     r = launch(["--config_file", str(CONFIGS / "fsdp.yaml"), "--num_processes", "2"],
@@ -47,6 +49,7 @@ def test_fsdp_refuses_generation_in_one_line(base_args, tiny_world, launch, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.skipif(find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_zero3_refuses_generation_before_loading(base_args, tiny_world, launch, tmp_path):
     argv = _args(base_args, tiny_world, tmp_path / "zero3")
