@@ -45,6 +45,7 @@ import torch
 
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config, read_yaml
 from kvdistill.data import format_example
+from kvdistill.evaluate.comparisons import accuracy_curve
 from kvdistill.io import REPO_ROOT, read_json, read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.report import format_environment
 from kvdistill.runs import (
@@ -259,7 +260,7 @@ def _eval_argv(model: Path, data: Path, split: str, limit: int, out: Path) -> li
 
 def curve_points(metrics: Path) -> list[tuple[int, float]]:
     """`(step, dev accuracy)` of a run's accuracy curve (`eval_accuracy` rows of metrics.jsonl)."""
-    return [(int(r["step"]), float(r["eval_accuracy"])) for r in read_jsonl(metrics) if "eval_accuracy" in r]
+    return accuracy_curve(read_jsonl(metrics))
 
 
 def plateau_step(points: list[tuple[int, float]], share: float = 0.95) -> int:

@@ -18,6 +18,12 @@ from kvdistill.evaluate.stats import logrank, mann_whitney, paired_ttest, tost, 
 from kvdistill.report import MISSING, fmt_mean_std, fmt_p, fmt_signed
 
 
+def accuracy_curve(metrics: Sequence[Mapping[str, Any]]) -> list[tuple[int, float]]:
+    """`(step, dev accuracy)` of a run's accuracy curve (the `eval_accuracy` rows of its metrics.jsonl), by step."""
+    return sorted((int(r["step"]), float(r["eval_accuracy"])) for r in metrics
+                  if r.get("eval_accuracy") is not None and "step" in r)
+
+
 def steps_to_threshold(metrics: Sequence[Mapping[str, Any]], threshold: float,
                        budget: int | None) -> tuple[int, bool] | None:
     """`(step, True)` at the first `eval_accuracy >= threshold`, else `(budget, False)` (censored).
@@ -29,8 +35,7 @@ def steps_to_threshold(metrics: Sequence[Mapping[str, Any]], threshold: float,
 
     Returns None when the run logged no dev-accuracy curve (`accuracy_eval_steps` was 0).
     """
-    curve = sorted((int(r["step"]), float(r["eval_accuracy"])) for r in metrics
-                   if r.get("eval_accuracy") is not None and "step" in r)
+    curve = accuracy_curve(metrics)
     if not curve:
         return None
     hit = next((step for step, acc in curve if acc >= threshold), None)
