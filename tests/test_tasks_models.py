@@ -6,7 +6,7 @@ import torch
 
 from kvdistill.data import format_example, tokenize_example
 from kvdistill.fields import IGNORE
-from kvdistill.models import build_tokenizer, load_model, save_random_model
+from kvdistill.models import build_tokenizer, load_model, load_tokenizer, save_random_model
 from kvdistill.tasks import binding, modular
 from kvdistill.tiny import tiny_configs
 
@@ -76,3 +76,12 @@ def test_untied_embeddings_are_two_tensors_that_train_apart(tie, tmp_path):
     opt.step()
     assert not torch.equal(emb_in, before[0])
     assert torch.equal(emb_out, before[1]) is not tie
+
+
+def test_a_saved_qwen2_model_loads_its_whole_number_tokenizer_as_built(tmp_path):
+    """AutoTokenizer would read a qwen2 directory with Qwen2Tokenizer, whose pre-tokenizer splits digits."""
+    tok = build_tokenizer(["Question: 12+57=10. What is 3+4?"] * 3, 300, numbers_whole=P)
+    cfg, _ = tiny_configs(len(tok), len(tok))["student"]
+    assert cfg.model_type == "qwen2"
+    loaded = load_tokenizer(save_random_model(cfg, tok, tmp_path / "m"))
+    assert loaded.tokenize("22+57=20") == ["22", "+", "57", "=", "20"]

@@ -27,6 +27,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from kvdistill.config import ConfigError
 
@@ -126,11 +127,20 @@ def _load_error(kind: str, name: str, err: Exception) -> ModelLoadError:
     )
 
 
+def _saved_class(path: str) -> str | None:
+    """`tokenizer_class` of a local directory's tokenizer_config.json (None for a Hub id or none saved)."""
+    config = Path(path) / "tokenizer_config.json"
+    return json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+
+
 def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any):
     """`AutoTokenizer.from_pretrained` with a pad token guaranteed (falls back to EOS)."""
     name, extra = _source_kwargs(name_or_path)
+    # A tokenizer saved as a plain `tokenizers` backend (build_tokenizer's) loads as saved: AutoTokenizer
+    # would pick the model type's class (Qwen2Tokenizer) and its pre-tokenizer (digits split one by one)
+    cls = TokenizersBackend if _saved_class(name) == "TokenizersBackend" else AutoTokenizer
     try:
-        tok = AutoTokenizer.from_pretrained(name, **extra, **kwargs)
+        tok = cls.from_pretrained(name, **extra, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error("tokenizer", name, err) from err
     if len(tok.get_vocab()) <= len(set(tok.all_special_tokens)):  # transformers builds an empty one from nothing
