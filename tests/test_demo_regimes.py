@@ -1,0 +1,121 @@
+"""`kvdistill.regimes`: a regime's data splits and the models its models.json names, built as written."""
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from kvdistill.config import ConfigError
+from kvdistill.data import tokenize_example
+from kvdistill.fields import IGNORE
+from kvdistill.io import REPO_ROOT
+from kvdistill.models import load_tokenizer
+from kvdistill.regimes import build_models, read_models, write_data
+
+SPLITS = {"teacher_pool", "train", "dev", "teacher_dev", "test", "other_task", "other_task_dev"}
+MODULAR = dict(n_dev=10, n_test=10, n_teacher_dev=10, p=59, min_equations=2, max_equations=3)
+BINDING = dict(n_pool=60, n_train=20, n_dev=8, n_test=8, n_teacher_dev=8)
+
+
+@pytest.fixture(scope="module")
+def modular_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("modular") / "data"
+    write_data("modular", MODULAR, out, seed=3)
+    return out
+
+
+def test_write_data_writes_every_split_once_and_refuses_other_options(tmp_path):
+    out = tmp_path / "data"
+    sizes = write_data("binding", BINDING, out, seed=1)
+    assert set(sizes) == SPLITS and sizes["train"] == 20 and sizes["teacher_pool"] == 60
+    assert all(len((out / f"{s}.jsonl").read_text().splitlines()) == n for s, n in sizes.items())
+    before = (out / "dev.jsonl").stat().st_mtime_ns
+    assert write_data("binding", BINDING, out, seed=1) == sizes  # reused, not rewritten
+    assert (out / "dev.jsonl").stat().st_mtime_ns == before
+    with pytest.raises(ConfigError, match=r"made with other options .* delete"):
+        write_data("binding", {**BINDING, "n_dev": 9}, out, seed=1)
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'modulus'"):
+        write_data("binding", {**BINDING, "modulus": 7}, tmp_path / "other")
+    with pytest.raises(ConfigError, match=r"task 'sorting' has no regime data; choose one of \['binding', 'modular'\]"):
+        write_data("sorting", {}, tmp_path / "other")
+    assert not (tmp_path / "other").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("task", ["modular", "binding"])
+def test_models_json_is_honoured(task, modular_data, tmp_path):
+    data = modular_data
+    if task == "binding":
+        data = tmp_path / "data"
+        write_data("binding", BINDING, data)
+    spec_path = REPO_ROOT / "configs" / "demo" / task / "models.json"
+    spec = read_models(spec_path)
+    paths = build_models(spec_path, data, tmp_path / "init", seed=0)
+    assert set(paths) == set(spec.models) >= {"teacher_qwen2", "teacher_other", "student"}
+    vocab = {}
+    for name, m in spec.models.items():
+        cfg = json.loads((paths[name] / "config.json").read_text())
+        assert cfg["model_type"] == m.model_type and cfg["tie_word_embeddings"] is m.tie_word_embeddings
+        assert {k: cfg[k] for k in m.sizes} == m.sizes
+        tok = load_tokenizer(paths[name])
+        assert cfg["vocab_size"] == len(tok)
+        vocab[name] = (m.tokenizer, len(tok))
+        with safe_open(str(paths[name] / "model.safetensors"), "pt") as f:  # untied: the output matrix is saved
+            assert ("lm_head.weight" in set(f.keys())) is not m.tie_word_embeddings
+        numbers_whole = spec.tokenizers[m.tokenizer].get("numbers_whole", 0)
+        assert all(len(tok(str(n), add_special_tokens=False)["input_ids"]) == 1 for n in range(numbers_whole))
+        if numbers_whole:  # and one token wherever it stands: the number's field is on one token per number
+            rec = json.loads((data / "dev.jsonl").read_text().splitlines()[0])
+            ex = tokenize_example(tok, rec)
+            on = (ex["field:number"] != IGNORE).nonzero().flatten()
+            assert len(on) == len(rec["token_fields"]["number"])
+            assert [tok.decode(ex["input_ids"][i]) for i in on] == [str(v) for _, _, v in rec["token_fields"]["number"]]
+        if spec.tokenizers[m.tokenizer].get("char_level"):  # one token per byte
+            assert len(tok("k=b. q=4.", add_special_tokens=False)["input_ids"]) == 9
+    # models naming one tokenizer share it
+    assert vocab["student"] == vocab["teacher_qwen2"] == vocab["teacher_other"]
+    if task == "modular":
+        assert all(m.tie_word_embeddings is False for m in spec.models.values())
+        assert numbers_whole == 59
+
+
+def test_built_models_are_reused_and_refused_when_built_otherwise(modular_data, tmp_path):
+    spec_path = REPO_ROOT / "configs" / "demo" / "modular" / "models.json"
+    paths = build_models(spec_path, modular_data, tmp_path / "init", seed=0)
+    before = (paths["student"] / "model.safetensors").read_bytes()
+    mtime = (paths["student"] / "model.safetensors").stat().st_mtime_ns
+    assert build_models(spec_path, modular_data, tmp_path / "init", seed=0) == paths
+    assert (paths["student"] / "model.safetensors").stat().st_mtime_ns == mtime
+    with pytest.raises(ConfigError, match=r"built from another models.json or seed .* delete"):
+        build_models(spec_path, modular_data, tmp_path / "init", seed=1)
+    # the same file and seed elsewhere: the same bytes; another seed: other weights
+    assert (build_models(spec_path, modular_data, tmp_path / "again")["student"] / "model.safetensors"
+            ).read_bytes() == before
+    assert (build_models(spec_path, modular_data, tmp_path / "seed1", seed=1)["student"] / "model.safetensors"
+            ).read_bytes() != before
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "is missing: a regime needs its models.json"),
+    ("{", "is not JSON"),
+    ({"models": {}}, "needs two objects, tokenizers"),
+    ({"tokenizers": {"t": {"vocab_size": 9, "merges": 3}}, "models": {}}, "tokenizer t: needs vocab_size"),
+    ({"tokenizers": {"t": {"vocab_size": 9}}, "models": {"s": {"model_type": "qwen2", "tokenizer": "t"}}},
+     r"model s needs exactly the keys \['model_type', 'tokenizer', 'tie_word_embeddings', 'data', 'sizes'\]"),
+    ({"tokenizers": {"t": {"vocab_size": 9}}, "models": {"s": {"model_type": "qwen2", "tokenizer": "u",
+                                                               "tie_word_embeddings": False, "data": "train",
+                                                               "sizes": {}}}},
+     "model s names tokenizer 'u', not one of"),
+    ({"tokenizers": {"t": {"vocab_size": 9}}, "models": {}}, "names no model"),
+])
+def test_a_bad_models_json_is_refused_in_one_line(tmp_path, content, message):
+    path = tmp_path / "models.json"
+    if content is not None:
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ConfigError, match=message):
+        build_models(path, tmp_path, tmp_path / "init")
+    assert not (tmp_path / "init").exists()
+
+
+def test_build_models_needs_the_teacher_pool(tmp_path):
+    with pytest.raises(ConfigError, match=r"no records in .*teacher_pool.jsonl"):
+        build_models(REPO_ROOT / "configs" / "demo" / "binding" / "models.json", tmp_path, tmp_path / "init")
