@@ -11,7 +11,14 @@ import torch
 
 from kvdistill.align.aligner import KVAligner
 from kvdistill.cache import KVCache
-from kvdistill.controls import TextPermutation, oracle_cache, oracle_width, parse_vocab
+from kvdistill.controls import (
+    ORACLE_MARGIN,
+    TextPermutation,
+    oracle_cache,
+    oracle_code,
+    oracle_width,
+    parse_vocab,
+)
 from kvdistill.data import DataError, DistillCollator, TeacherView
 from kvdistill.fields import IGNORE, freeze
 from kvdistill.losses import RelationKVLoss
@@ -68,6 +75,38 @@ def test_relation_loss_reads_the_oracle_as_its_target():
     assert float(loss_same.detach()) < 1e-6  # a student with the oracle's codes matches it
     loss_random, _ = fn(torch.randn(2, 2, 7, 6, requires_grad=True), t, MASK, SEG)
     assert float(loss_random.detach()) > 0.1
+
+
+def test_fourier_code_gram_depends_only_on_the_difference_mod_p():
+    p = 7
+    v = torch.arange(p)
+    code = oracle_code(v[None], p, "fourier")[0]  # [p, C]
+    gram = code @ code.T  # [p, p]
+    diff = (v[:, None] - v[None, :]) % p
+    assert torch.allclose(gram, torch.cos(2 * math.pi * diff / p), atol=1e-6)
+    for d in range(p):  # one value per difference: (a - b) mod p alone fixes the relation
+        assert torch.allclose(gram[diff == d], gram[diff == d][0].expand(p), atol=1e-6)
+    assert torch.equal(oracle_code(torch.tensor([[IGNORE, 3]]), p, "fourier")[0, 0], torch.zeros(p))
+    with pytest.raises(ValueError, match="onehot"):
+        oracle_code(v[None], p, "magnitude")
+
+
+@pytest.mark.parametrize(("heads", "temperature"), [(1, 1.0), (2, 0.5)])
+def test_fourier_oracle_rows_through_the_aligner(heads, temperature):
+    p = 5
+    numbers = torch.tensor([[0, 4, IGNORE, 1, 2, 0, 3], [3, IGNORE, 1, 4, 4, IGNORE, IGNORE]])
+    oracle = oracle_cache(numbers, MASK, SEG, layers=2, heads=heads, width=p, temperature=temperature, code="fourier")
+    student = KVCache(torch.randn(3, 2, 2, 7, 8), torch.randn(3, 2, 2, 7, 8), MASK, SEG)
+    a = KVAligner(time_mode="segment", projector="none")(oracle, student)
+    # by hand: logit margin * cos(2π(a - b)/p) between numbers, 0 to and from a token without one
+    has = numbers >= 0
+    cos = torch.cos(2 * math.pi * (numbers[:, :, None] - numbers[:, None, :]) / p)
+    logits = torch.where(has[:, :, None] & has[:, None, :], ORACLE_MARGIN * cos, torch.zeros(()))
+    want = logits.masked_fill(~MASK.bool()[:, None, :], -math.inf).softmax(-1)[:, None]  # [B, 1, T, T]
+    for x in (a.teacher_keys, a.teacher_values):
+        got = relation_probs(x, a.mask, heads, temperature)  # [L, B, R, T, T]
+        rows = MASK.bool()[None, :, None, :, None].expand_as(got)
+        assert torch.allclose(got[rows], want.expand_as(got)[rows], atol=1e-5)
 
 
 def test_oracle_width_and_refusals():

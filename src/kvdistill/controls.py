@@ -9,8 +9,12 @@ this module builds two more from plain tensors and strings:
   name); tokens of one class relate, others do not. The oracle is a synthetic cache whose keys
   and values are scaled one-hot class codes, so its self-relations `softmax(X Xᵀ / sqrt(d) / τ)`
   are a block matrix: each row uniform over the valid tokens of its class (off-class weight
-  exp(-margin) ≈ 1e-13). It enters the run as a teacher cache, so it goes through the same time
-  alignment, layer map and relation loss as a real teacher: the positive control of that channel.
+  exp(-margin) ≈ 1e-13). With `code="fourier"` the field holds numbers `0..p-1` instead and the code
+  puts each on the unit circle (`cos, sin` of `2πv/p`): the Gram is `cos(2π(a-b)/p)`, a function of
+  `(a - b) mod p` only, the number layout a grokked modular-addition network learns (Nanda et al.
+  2023), so a row weighs equal numbers most, then their neighbours mod p. It enters the run as a
+  teacher cache, so it goes through the same time alignment, layer map and relation loss as a real
+  teacher: the positive control of that channel.
 - the **permuted** input (`TextPermutation`): the teacher reads each record with its numbers or
   names mapped through one seeded bijection, at the text level before it tokenizes (token and
   value statistics kept, the problem's meaning destroyed: `3 + 4 = 7` may read `5 + 0 = 2`). The
@@ -33,6 +37,7 @@ from kvdistill.cache import KVCache
 from kvdistill.data import DataError
 
 PERMUTE_KINDS = ("numbers", "names")
+ORACLE_CODES = ("onehot", "fourier")  # same class relates | numbers 0..p-1 on a circle (p = the code width)
 ORACLE_MARGIN = 30.0  # logit gap between same-class and other keys: off-class weight <= T * e^-30
 
 
@@ -61,9 +66,23 @@ def oracle_width(records: Iterable[Mapping[str, Any]], field: str) -> int:
     return largest + 1
 
 
+def oracle_code(classes: Tensor, width: int, code: str = "onehot") -> Tensor:
+    """Unit codes `[B, T, C]` of `[B, T]` classes (`IGNORE` rows are zero): `onehot`, Gram 1 within a class
+    and 0 across; `fourier`, class `v` of `C = p` at angle `2πv/p` in the first two dims, Gram `cos(2π(a-b)/p)`."""
+    if code not in ORACLE_CODES:
+        raise ValueError(f"oracle code must be one of {ORACLE_CODES}, got {code!r}")
+    v = classes.clamp(min=0)
+    if code == "onehot":
+        unit = torch.nn.functional.one_hot(v, width).float()  # [B, T, C]
+    else:  # zero-padded to the width, so both codes give the aligner the same dims
+        angle = 2 * math.pi * v.float() / width  # [B, T]
+        unit = torch.nn.functional.pad(torch.stack([angle.cos(), angle.sin()], -1), (0, width - 2))  # [B, T, C]
+    return unit * (classes >= 0).unsqueeze(-1)
+
+
 def oracle_cache(classes: Tensor, attention_mask: Tensor, segment_ids: Tensor | None, *, layers: int, heads: int,
-                 width: int, temperature: float = 1.0, margin: float = ORACLE_MARGIN) -> KVCache:
-    """The oracle "teacher": a cache whose keys and values are scaled one-hot class codes.
+                 width: int, temperature: float = 1.0, margin: float = ORACLE_MARGIN, code: str = "onehot") -> KVCache:
+    """The oracle "teacher": a cache whose keys and values are scaled class codes (`oracle_code`).
 
     Every one of the `heads` heads holds the whole code, so each of `relation_heads = heads` relation
     chunks (`RelationKVLoss.split_heads`: `H*D` cut into R pieces of `D = width`) sees it. With code
@@ -71,14 +90,15 @@ def oracle_cache(classes: Tensor, attention_mask: Tensor, segment_ids: Tensor | 
     `margin` for two tokens of one class and 0 otherwise, so a row is uniform over its class's valid
     tokens. Tokens without a class (`IGNORE`) get the zero code: as keys they get weight ~e^-margin in
     every class row; their own rows are uniform over all valid tokens (no structure to learn there;
-    row selection can leave them out).
+    row selection can leave them out). With `code="fourier"` the logit is `margin * cos(2π(a-b)/p)`.
 
     Args:
         classes: `[B, T]` long class per token (`IGNORE` = none), in the student's tokenization.
         attention_mask, segment_ids: `[B, T]` the student's, so time alignment maps the oracle 1:1.
         layers: teacher layers `L` (the layer map decides which student layers read them).
         heads: `R`, the run's relation_heads.
-        width: code width `C` (`oracle_width`), fixed for a run (the aligner checks the dims).
+        width: code width `C` (`oracle_width`), fixed for a run (the aligner checks the dims); `p` for fourier.
+        code: `onehot` or `fourier` (`ORACLE_CODES`).
 
     Returns:
         `KVCache` with keys = values `[L, B, R, T, C]` fp32.
@@ -87,9 +107,8 @@ def oracle_cache(classes: Tensor, attention_mask: Tensor, segment_ids: Tensor | 
         raise DataError(f"oracle class {int(classes.max())} >= code width {width}: the data changed after the "
                         "width was computed")
     scale = math.sqrt(margin * math.sqrt(width) * temperature)
-    valid = (classes >= 0).unsqueeze(-1)  # [B, T, 1]
-    code = torch.nn.functional.one_hot(classes.clamp(min=0), width).float() * valid * scale  # [B, T, C]
-    x = code[None, :, None].expand(layers, -1, heads, -1, -1).contiguous()  # [L, B, R, T, C]
+    x = oracle_code(classes, width, code) * scale  # [B, T, C]
+    x = x[None, :, None].expand(layers, -1, heads, -1, -1).contiguous()  # [L, B, R, T, C]
     return KVCache(x, x, attention_mask, segment_ids)
 
 

@@ -25,7 +25,7 @@ from kvdistill.align.time import TIME_MODES
 from kvdistill.card import SECTIONS
 from kvdistill.config import ConfigError, check_choice, check_ranges, option, suggest, to_plain
 from kvdistill.config import parse_config as parse_command_config
-from kvdistill.controls import TextPermutation
+from kvdistill.controls import ORACLE_CODES, TextPermutation
 from kvdistill.data import DEFAULT_TEMPLATE, FIELD_MAPS, parse_student_input
 from kvdistill.fusion import FUSIONS
 from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
@@ -291,6 +291,10 @@ class KVDistillConfig(TrainingArguments):
     oracle_field: str = option("class", "teacher_control oracle: the per-token class field of the data (token_fields): "
                                "tokens of one class relate, others do not (never captured: no teacher runs).",
                                affects="student_loss", card="alignment")
+    oracle_code: str = option("onehot", f"teacher_control oracle: how oracle_field's values are coded {ORACLE_CODES}: "
+                              "onehot = tokens of one class relate, others do not; fourier = the field holds numbers "
+                              "0..p-1, placed on a circle (relation logit ∝ cos 2π(a-b)/p: a number layout).",
+                              affects="student_loss", card="alignment")
     permute: str | None = option(None, "teacher_control permuted: numbers (every integer in permute_vocab) | names "
                                  "(every whole word in permute_vocab), mapped through one bijection seeded by `seed`.",
                                  affects="teacher_inputs", card="alignment")
@@ -367,7 +371,7 @@ class KVDistillConfig(TrainingArguments):
             "key_space": ("auto", "post_rope", "pre_rope"), "projector_init": ("xavier", "orthogonal", "identity"),
             "teacher_control": TEACHER_CONTROLS, "teacher_compression": (*COMPRESSIONS, "none"),
             "on_nonfinite": ON_NONFINITE, "capture_dtype": ("fp32", "bf16", "fp16"), "capture_layers": ("all", "mapped"),
-            "capture_compression": COMPRESSIONS,
+            "capture_compression": COMPRESSIONS, "oracle_code": ORACLE_CODES,
         }
         for key, allowed in choices.items():
             check_choice(key, getattr(self, key), allowed)
@@ -476,6 +480,8 @@ class KVDistillConfig(TrainingArguments):
                               "logit_kd_weight) > 0")
         if c != "permuted" and (self.permute is not None or self.permute_vocab is not None):
             raise ConfigError("permute / permute_vocab apply only with teacher_control: permuted; set it or drop them")
+        if c != "oracle" and self.oracle_code != "onehot":
+            raise ConfigError("oracle_code applies only with teacher_control: oracle; set it or drop oracle_code")
         if c == "permuted":
             try:
                 TextPermutation.seeded(self.permute, self.permute_vocab, self.seed)

@@ -127,7 +127,8 @@ def oracle_targets(teachers: TeacherSet, inputs: dict, token_fields: dict | None
         raise ConfigError(f"teacher_control: oracle needs the per-token field {args.oracle_field!r} in every batch; "
                           "this one has none (set oracle_field, or use data whose records carry it)")
     return {t.name: oracle_cache(classes, inputs["attention_mask"], inputs["segment_ids"], layers=num_layers(t.model),
-                                 heads=args.relation_heads, width=width, temperature=args.relation_temperature)
+                                 heads=args.relation_heads, width=width, temperature=args.relation_temperature,
+                                 code=args.oracle_code)
             for t in teachers}
 
 
