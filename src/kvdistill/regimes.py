@@ -7,10 +7,15 @@ tie_word_embeddings, data, sizes}`: `data` is the split the model trains on, `si
 `AutoConfig.for_model` beside `vocab_size` and `max_position_embeddings`). `build_models` trains each
 tokenizer once on the texts of `teacher_pool` and saves every model, seeded, with its tokenizer: the
 same files whoever builds them (the demo, an ablation, a scratch script).
+
+`demo.yaml` beside it holds what `kvdistill demo --task <task>` needs besides shapes and training
+recipes (`read_settings`): the data knobs, teacher steps and gate, the SFT curve and the probe audit,
+with a `quick:` block of overrides for the smoke run; `regime_report` writes the demo's report.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 from dataclasses import dataclass
@@ -19,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvdistill.config import ConfigError
+from kvdistill.config import ConfigError, read_yaml
 from kvdistill.data import format_example
 from kvdistill.io import read_json, read_jsonl, write_json_atomic
 from kvdistill.models import build_tokenizer, save_random_model
@@ -31,6 +36,7 @@ TOKENIZER_TEXTS = 4000  # teacher_pool records the tokenizers learn from
 MAX_POSITIONS = 256  # default max_position_embeddings (a model's `sizes` may set its own)
 MODEL_KEYS = ("model_type", "tokenizer", "tie_word_embeddings", "data", "sizes")
 SAVED_SPEC = "models.json"  # beside the built models: what they were built from (reuse check)
+GATE_SPLIT = {"teacher_pool": "teacher_dev", "other_task": "other_task_dev"}  # a teacher's split -> its gate split
 
 
 @dataclass(frozen=True)
@@ -87,23 +93,23 @@ def build_models(spec_path: str | Path, data: str | Path, out: str | Path, seed:
 
     Tokenizers learn from the first `TOKENIZER_TEXTS` records of `data/teacher_pool.jsonl` (models naming
     the same tokenizer share it); model `i` (in the file's order) is seeded `seed + i`. Models already built
-    from the same file and seed are reused; built from another, a `ConfigError` says what to delete.
+    from the same file, seed and texts are reused; built otherwise, a `ConfigError` says what to delete.
     """
     spec, out = read_models(spec_path), Path(out)
-    paths = {name: out / name for name in spec.models}
-    made_from = {"seed": seed, "tokenizers": spec.tokenizers,
-                 "models": {n: vars(m) for n, m in spec.models.items()}}
-    saved = read_json(out / SAVED_SPEC)
-    if saved is not None and saved != made_from:
-        raise ConfigError(f"{out} holds models built from another models.json or seed than {spec_path} (seed "
-                          f"{seed}); delete {out} to rebuild them")
-    if saved is not None and all((p / "config.json").exists() for p in paths.values()):
-        return paths
     records = read_jsonl(Path(data) / "teacher_pool.jsonl")[:TOKENIZER_TEXTS]
     if not records:
         raise ConfigError(f"no records in {Path(data) / 'teacher_pool.jsonl'}: the tokenizers learn from the "
                           "teacher pool; write the data first (`kvdistill gen-data --task binding|modular`)")
     texts = [format_example(r).text for r in records]
+    paths = {name: out / name for name in spec.models}
+    made_from = {"seed": seed, "texts": hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16],
+                 "tokenizers": spec.tokenizers, "models": {n: vars(m) for n, m in spec.models.items()}}
+    saved = read_json(out / SAVED_SPEC)
+    if saved is not None and saved != made_from:
+        raise ConfigError(f"{out} holds models built from another models.json, seed or data than {spec_path} (seed "
+                          f"{seed}, {data}); delete {out} and what was made from it to rebuild them")
+    if saved is not None and all((p / "config.json").exists() for p in paths.values()):
+        return paths
     toks = {name: build_tokenizer(texts, **opts) for name, opts in spec.tokenizers.items()}
 
     from transformers import AutoConfig
@@ -130,7 +136,7 @@ def write_data(task: str, knobs: dict[str, Any], out: str | Path, seed: int = 0)
     if saved is not None:
         if saved["options"] != options:
             raise ConfigError(f"{out} holds {saved['options'].get('task')} data made with other options than "
-                              f"{options}; delete {out} to write it again")
+                              f"{options}; delete {out} and what was made from it to write it again")
         return saved["splits"]
     try:
         splits = SPLIT_MAKERS[task](**knobs, seed=seed)
@@ -141,3 +147,94 @@ def write_data(task: str, knobs: dict[str, Any], out: str | Path, seed: int = 0)
     sizes = {name: len(records) for name, records in splits.items()}
     write_json_atomic(out / "task.json", {"options": options, "splits": sizes})
     return sizes
+
+
+def teachers_of(models: Models) -> dict[str, tuple[str, str]]:
+    """`{name: (training split, gate split)}` of every model but the `student`."""
+    out = {}
+    for name, m in models.models.items():
+        if name == "student":
+            continue
+        if m.data not in GATE_SPLIT:
+            raise ConfigError(f"teacher {name} trains on {m.data!r}; a regime's teachers train on one of "
+                              f"{sorted(GATE_SPLIT)} (their gate: {GATE_SPLIT})")
+        out[name] = (m.data, GATE_SPLIT[m.data])
+    if "student" not in models.models or not out:
+        raise ConfigError("a regime's models.json names a `student` and at least one teacher")
+    return out
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """A regime's `demo.yaml`."""
+
+    data: dict[str, Any]  # keyword arguments of the task's make_splits (gen-data's knobs; the seed is --seed)
+    teacher_steps: int
+    gate: float  # teachers' minimum accuracy on their gate split (teacher_dev, other_task_dev)
+    curve_steps: int  # length of the student's SFT curve
+    curve_every: int  # dev accuracy every N steps
+    curve_items: int  # dev items per curve point
+    probe: dict[str, Any]  # `kvdistill probe` options (target, rows, samples, max_length, ...) on dev
+
+
+def read_settings(path: str | Path, quick: bool = False) -> DemoSettings:
+    """`demo.yaml` at `path`; `quick` applies its `quick:` block (a mapping updates a mapping key by key)."""
+    raw = read_yaml(path, "demo settings")
+    over = raw.pop("quick", {}) if quick else {}
+    raw.pop("quick", None)
+    raw = {k: {**raw[k], **v} if isinstance(v, dict) and isinstance(raw.get(k), dict) else v for k, v in
+           {**raw, **over}.items()}
+    names = set(DemoSettings.__dataclass_fields__)
+    if set(raw) != names:
+        raise ConfigError(f"{path}: needs exactly the keys {sorted(names)} (and quick:); missing "
+                          f"{sorted(names - set(raw))}, unknown {sorted(set(raw) - names)}")
+    if not isinstance(raw["data"], dict) or not isinstance(raw["probe"], dict):
+        raise ConfigError(f"{path}: data and probe must be mappings (make_splits knobs; kvdistill probe options)")
+    if not 0 <= raw["gate"] <= 1:
+        raise ConfigError(f"{path}: gate {raw['gate']} is not an accuracy; set it between 0 and 1")
+    return DemoSettings(**raw)
+
+
+def probe_summary(probe: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per probed model of a `probe.json` that has an untrained copy beside it: its best cell (kind, layer,
+    score, the shuffled-label control there), the majority baseline, the untrained copy's best score, and
+    the cell where the trained model beats its untrained copy most (`gain`: what training put there; a
+    token's identity, say, decodes from any random embedding)."""
+    rows = []
+    for m in (m for m in probe["models"] if not m["untrained"]):
+        cells = {(c["kind"], c["layer"]): c for c in probe["cells"] if c["model"] == m["name"]}
+        untrained = {(c["kind"], c["layer"]): c["score"] for c in probe["cells"]
+                     if c["model"] == f"{m['name']} (untrained)"}
+        best = max(cells.values(), key=lambda c: c["score"])
+        most = max(cells, key=lambda k: cells[k]["score"] - untrained[k])
+        rows.append({"model": m["name"], "kind": best["kind"], "layer": best["layer"], "score": best["score"],
+                     "shuffled": best["shuffled"], "baseline": m["baseline"], "untrained": max(untrained.values()),
+                     "gain": cells[most]["score"] - untrained[most], "gain_at": f"{most[0]} @ {most[1]}"})
+    return rows
+
+
+def regime_report(task: str, out: Path, gates: dict[str, tuple[str, float]], gate: float,
+                  probes: dict[str, dict[str, Any]], curve: dict[str, Any], assets: str) -> str:
+    """The markdown of `report.md`: the teachers' gate, the probe audit, the SFT curve and budget, the assets."""
+    first = next(iter(probes.values()))
+    lines = [f"# kvdistill demo --task {task}", "",
+             f"**Teachers' quality gate** (greedy accuracy on their held-out split; gate {gate:.2f}):", "",
+             "| teacher | split | accuracy |", "|---|---|---:|",
+             *[f"| {name} | {split} | {acc:.3f} |" for name, (split, acc) in gates.items()], "",
+             f"**Probe audit** (`probe/<teacher>/probe.json`, heatmaps `probe.png`): a linear probe of {first['target']} "
+             f"at {first['rows']} rows of dev, held-out {first['metric']}: each teacher's best cell beside the "
+             "majority baseline, the shuffled-label control there and its untrained copy's best; and the cell "
+             "where training added most over the untrained copy.", "",
+             "| teacher | best kind @ layer | score | baseline | shuffled | untrained best | most over untrained |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for r in (r for probe in probes.values() for r in probe_summary(probe)):
+        lines.append(f"| {r['model']} | {r['kind']} @ {r['layer']} | {r['score']:.3f} | {r['baseline']:.3f} | "
+                     f"{r['shuffled']:.3f} | {r['untrained']:.3f} | {r['gain']:+.3f} at {r['gain_at']} |")
+    points = ", ".join(f"{s}: {a:.3f}" for s, a in curve["points"])
+    lines += ["", f"**SFT learning curve** of the student on its {curve['labelled']} labelled records (dev accuracy, "
+              f"`sft_curve.png`): {points}. Budget: {curve['budget']} steps, the first at >= 95 % of the best "
+              f"({curve['best']:.3f} at step {curve['best_step']}; dev {curve['at_budget']:.3f} there).", "",
+              f"**Assets** `configs/demo/evidence_{task}.yaml` reads (what this demo wrote under `{out}`):", "",
+              "```yaml", assets, "```", "", "![SFT curve](sft_curve.png)",
+              *[f"![probe {n}](probe/{n}/probe.png)" for n in probes], ""]
+    return "\n".join(lines)

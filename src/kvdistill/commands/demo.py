@@ -26,6 +26,12 @@ training made with other settings than the demo now asks for (a config changed s
 with the options that differ, never reported as this demo's.
 `kvdistill ablate --config configs/demo/evidence.yaml` runs the full evidence ablation on the
 assets this writes.
+
+`--task binding|modular` builds instead what the evidence ablation of that regime needs (issue 31,
+docs/tasks.md), from `configs/demo/<task>/` (`run_regime`): the task's splits, the tokenizers and
+random-init models of its `models.json`, the teachers (teacher_other on other_task) gated on their
+held-out splits, the probe audit of each teacher on dev, the student's SFT curve and budget (no
+transfer set), and `report.md` with the assets `configs/demo/evidence_<task>.yaml` reads.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from typing import Any
 
 import torch
 
+from kvdistill import regimes
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config, read_yaml
 from kvdistill.data import format_example
 from kvdistill.evaluate.comparisons import accuracy_curve
@@ -63,6 +70,7 @@ from kvdistill.train.config import BOOKKEEPING
 from kvdistill.train.config import parse_config as parse_train_config
 
 CONFIG_DIR = REPO_ROOT / "configs" / "demo"
+TASKS = ("arithmetic", *regimes.SPLIT_MAKERS)
 TASK = {"min_steps": 2, "max_steps": 2, "max_value": 20, "ops": ("add", "sub")}
 # name -> (model type, tokenizer, sizes). The teachers differ from the student on L, H_kv, D and
 # (teacher_llama) the tokenizer; they know more because they learn from the whole pool.
@@ -113,7 +121,10 @@ SIZES = {
 class DemoConfig:
     """Options of `kvdistill demo`."""
 
-    output_dir: str = option("outputs/demo", "Output directory.", aliases=["--out"])
+    output_dir: str | None = option(None, "Output directory (default outputs/demo; outputs/demo_<task> for binding "
+                                    "and modular).", aliases=["--out"])
+    task: str = option("arithmetic", f"The regime, one of {TASKS}: binding and modular build the data, gated "
+                       "teachers, probe audit and SFT curve of configs/demo/<task>/ (docs/tasks.md).")
     quick: bool = option(False, "~2-minute smoke version (tiny data and steps, no quality gate).")
     seed: int = option(0, "Seed of data, inits and training.")
     workers: int = option(2, "Trainings run at once, one process each (one per CPU core).")
@@ -121,6 +132,9 @@ class DemoConfig:
     fresh: bool = option(False, "Delete the output directory first.")
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError(f"task {self.task!r} is not one of {TASKS}")
+        self.output_dir = self.output_dir or ("outputs/demo" if self.task == "arithmetic" else f"outputs/demo_{self.task}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.gate is not None and not 0 <= self.gate <= 1:
@@ -312,10 +326,53 @@ def write_report(out: Path, rows: list[dict], curve: dict, transfer: int) -> Pat
     return write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
 
 
-def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, gate: float | None = None) -> Path:
-    """Run every stage (skipping finished ones) and return the report path."""
+def train_teachers(out: Path, data: Path, init: dict[str, Path], teachers: dict[str, tuple[str, str, int]],
+                   config: Path, steps: int, seed: int, workers: int, gate: float) -> dict[str, bool]:
+    """Train each teacher `name: (training split, gate split, gate items)` from `init[name]` into
+    `out/teachers/<name>` (`workers` at once, each evaluated on its gate split right after its training,
+    into `out/eval_<gate split>/<name>`); stop the demo at the first one below `gate`. Returns which
+    were trained now (the others were reused)."""
+    paths = {name: out / "teachers" / name for name in teachers}
+    argvs = {name: ["train", "--config", str(config), "--student", str(init[name]), "--data", str(data),
+                    "--data_split", split, "--output_dir", str(paths[name]), "--max_steps", str(steps),
+                    "--seed", str(seed)]
+             for name, (split, _, _) in teachers.items()}
+    # everything after this stage reads the teachers: one trained otherwise asks for a fresh output dir
+    jobs = {name: [] if _trained(paths[name], argv, stale=out) else [argv] for name, argv in argvs.items()}
+    fresh = {name: bool(commands) for name, commands in jobs.items()}
+    for name, (_, split, items) in teachers.items():  # each teacher's gate accuracy right after its training
+        if jobs[name] or not evaluated(out / f"eval_{split}" / name):
+            jobs[name].append(_eval_argv(paths[name], data, split, items, out / f"eval_{split}" / name))
+    run_parallel(jobs, workers, out / "logs")
+    for name, (_, split, _) in teachers.items():
+        acc = read_json(out / f"eval_{split}" / name / EVAL_SUMMARY, {})["accuracy"]
+        if acc < gate:
+            raise SystemExit(f"quality gate: teacher {name} reached {acc:.3f} on {split}, {gate - acc:.3f} below the "
+                             f"{gate:.2f} gate; train it longer (delete {paths[name]} and raise its steps) or "
+                             "lower --gate")
+        print(f"    {name}: {split} accuracy {acc:.3f} (gate {gate:.2f})")
+    return fresh
+
+
+def record_curve(out: Path, curve_run: Path, labelled: int) -> dict:
+    """The SFT curve of `curve_run` and its budget (`plateau_step`) -> `sft_curve.json`, `sft_curve.png`."""
     from kvdistill.plots import plot_run_curves
 
+    points = curve_points(curve_run / METRICS)
+    budget = plateau_step(points)
+    best_step, best = max(points, key=lambda p: p[1])
+    steps, accs = zip(*points)
+    plot_run_curves({"dev accuracy": {"SFT": [(list(steps), list(accs))]}}, out / "sft_curve.png",
+                    title=f"run {curve_run.name}: SFT on {labelled} labelled problems; budget {budget}")
+    curve = {"labelled": labelled, "budget": budget, "best": best, "best_step": best_step,
+             "at_budget": dict(points)[budget], "points": points}
+    write_json_atomic(out / "sft_curve.json", curve)
+    print(f"    budget: {budget} steps (dev {dict(points)[budget]:.3f}; best {best:.3f} at step {best_step})")
+    return curve
+
+
+def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, gate: float | None = None) -> Path:
+    """Run every stage (skipping finished ones) and return the report path."""
     sizes = SIZES["quick" if quick else "full"]
     gate = sizes.gate if gate is None else gate
     t0 = time.time()
@@ -327,23 +384,8 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
 
     teachers = {name: out / "teachers" / name for name in TEACHERS}
     _log(f"[3/7] teachers on the pool ({sizes.teacher_steps} steps each), quality gate {gate:.2f} on dev")
-    argvs = {name: ["train", "--config", str(config_path("teacher.yaml")), "--student", str(init[name]),
-                    "--data", str(data), "--data_split", "teacher_pool", "--output_dir", str(path),
-                    "--max_steps", str(sizes.teacher_steps), "--seed", str(seed)]
-             for name, path in teachers.items()}
-    # everything after this stage reads the teachers: one trained otherwise asks for a fresh output dir
-    jobs = {name: [] if _trained(teachers[name], argv, stale=out) else [argv] for name, argv in argvs.items()}
-    for name, path in teachers.items():  # each teacher's dev accuracy right after its training
-        if jobs[name] or not evaluated(out / "eval_dev" / name):
-            jobs[name].append(_eval_argv(path, data, "dev", sizes.dev, out / "eval_dev" / name))
-    run_parallel(jobs, workers, out / "logs")
-    for name in teachers:
-        acc = read_json(out / "eval_dev" / name / EVAL_SUMMARY, {})["accuracy"]
-        if acc < gate:
-            raise SystemExit(f"quality gate: teacher {name} reached {acc:.3f} on dev, {gate - acc:.3f} below the "
-                             f"{gate:.2f} gate; train it longer (delete {teachers[name]} and raise its steps) or "
-                             "lower --gate")
-        print(f"    {name}: dev accuracy {acc:.3f} (gate {gate:.2f})")
+    train_teachers(out, data, init, {name: ("teacher_pool", "dev", sizes.dev) for name in TEACHERS},
+                   config_path("teacher.yaml"), sizes.teacher_steps, seed, workers, gate)
 
     # the transfer set needs a teacher, the SFT curve does not: they run side by side
     _log(f"[4/7] transfer set: {TRANSFER_TEACHER} answers {sizes.transfer} pool questions the student has no "
@@ -362,16 +404,8 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
         jobs["transfer"] = [_eval_argv(teachers[TRANSFER_TEACHER], data, "transfer_questions", sizes.transfer,
                                        transfer)]
     run_parallel(jobs, workers, out / "logs")
-    points = curve_points(curve_run / METRICS)
-    budget = plateau_step(points)
-    best_step, best = max(points, key=lambda p: p[1])
-    steps, accs = zip(*points)
-    plot_run_curves({"dev accuracy": {"SFT": [(list(steps), list(accs))]}}, out / "sft_curve.png",
-                    title=f"run {curve_run.name}: SFT on {sizes.labelled} labelled problems; budget {budget}")
-    curve = {"labelled": sizes.labelled, "budget": budget, "best": best, "best_step": best_step,
-             "at_budget": dict(points)[budget], "points": points}
-    write_json_atomic(out / "sft_curve.json", curve)
-    print(f"    budget: {budget} steps (dev {dict(points)[budget]:.3f}; best {best:.3f} at step {best_step})")
+    curve = record_curve(out, curve_run, sizes.labelled)
+    budget = curve["budget"]
 
     _log(f"[6/7] students at {budget} steps: SFT, logit KD, KV")
     _log(f"[7/7] test evaluation on {sizes.test} held-out problems, each model's as soon as it is trained")
@@ -410,6 +444,84 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     return report
 
 
+@dataclass(frozen=True)
+class Regime:
+    """What `--task binding|modular` runs from, all of `configs/demo/<task>/`, read before anything is written."""
+
+    task: str
+    settings: regimes.DemoSettings  # demo.yaml
+    models: regimes.Models  # models.json
+    teachers: dict[str, tuple[str, str]]  # name -> (training split, gate split)
+
+    @staticmethod
+    def load(task: str, quick: bool) -> Regime:
+        for name in ("teacher.yaml", "student.yaml"):
+            config_path(f"{task}/{name}")
+        models = regimes.read_models(CONFIG_DIR / task / "models.json")
+        return Regime(task, regimes.read_settings(config_path(f"{task}/demo.yaml"), quick), models, regimes.teachers_of(models))
+
+
+def evidence_assets(out: Path, regime: Regime, budget: int) -> str:
+    """The `overrides:` of `configs/demo/evidence_<task>.yaml` that point at what this demo wrote."""
+    right = [n for n, (split, _) in regime.teachers.items() if split == "teacher_pool"]
+    other = [n for n in regime.teachers if n not in right]
+    return "\n".join([
+        "overrides:", f"  student: {out / 'init' / 'student'}", f"  data: {out / 'data'}",
+        f"  max_steps: {budget}   # the SFT curve's budget ({out / 'sft_curve.json'})", "  teachers:",
+        *[f"    - {{path: {out / 'teachers' / n}}}" for n in right],
+        *[f"# other_task control: {{teacher_control: other_task, teachers: [{{path: {out / 'teachers' / n}}}]}}"
+          for n in other],
+    ])
+
+
+def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate: float | None = None) -> Path:
+    """`--task binding|modular`: every stage (skipping finished ones); returns the report path."""
+    task, s = regime.task, regime.settings
+    gate = s.gate if gate is None else gate
+    t0, data = time.time(), out / "data"
+    _log(f"[1/6] {task} data -> {data}")
+    sizes = regimes.write_data(task, s.data, data, seed)
+    print("    " + ", ".join(f"{split} {n}" for split, n in sizes.items()))
+    _log(f"[2/6] tokenizers and random-init models of configs/demo/{task}/models.json -> {out / 'init'}")
+    init = regimes.build_models(CONFIG_DIR / task / "models.json", data, out / "init", seed)
+
+    _log(f"[3/6] teachers ({s.teacher_steps} steps each), quality gate {gate:.2f} on their held-out splits")
+    fresh = train_teachers(out, data, init, {n: (split, gate_split, sizes[gate_split]) for n, (split, gate_split)
+                                             in regime.teachers.items()},
+                           config_path(f"{task}/teacher.yaml"), s.teacher_steps, seed, workers, gate)
+
+    _log(f"[4/6] probe audit: {s.probe.get('target')} at {s.probe.get('rows')} rows of dev, each teacher beside its "
+         "untrained copy")
+    student_split = regime.models.models["student"].data
+    _log(f"[5/6] SFT learning curve of the student on its {sizes[student_split]} labelled records")
+    curve_run = out / "runs" / "sft_curve"
+    curve_argv = ["train", "--config", str(config_path(f"{task}/student.yaml")), "--student", str(init["student"]),
+                  "--data", str(data), "--data_split", student_split, "--seed", str(seed), "--output_dir",
+                  str(curve_run), "--max_steps", str(s.curve_steps), "--accuracy_eval_steps", str(s.curve_every),
+                  "--accuracy_eval_limit", str(s.curve_items)]
+    jobs = {} if _trained(curve_run, curve_argv, stale=curve_run) else {"sft_curve": [curve_argv]}
+    flags = [x for k, v in s.probe.items() for x in (f"--{k}", *map(str, v if isinstance(v, list) else [v]))]
+    probes = {name: out / "probe" / name for name in regime.teachers}
+    for name, path in probes.items():  # a retrained teacher is probed again
+        if fresh[name] or not (path / "probe.json").exists():
+            jobs[f"probe_{name}"] = [["probe", "--model", str(out / "teachers" / name), "--untrained", "--data",
+                                      str(data), "--split", "dev", *flags, "--seed", str(seed), "--output_dir",
+                                      str(path), "--no_progress"]]
+    run_parallel(jobs, workers, out / "logs")
+    curve = record_curve(out, curve_run, sizes[student_split])
+
+    _log("[6/6] report")
+    gates = {n: (split, read_json(out / f"eval_{split}" / n / EVAL_SUMMARY)["accuracy"])
+             for n, (_, split) in regime.teachers.items()}
+    assets = evidence_assets(out, regime, curve["budget"])
+    text = regimes.regime_report(task, out, gates, gate, {n: read_json(p / "probe.json") for n, p in probes.items()}, curve,
+                         assets)
+    report = write_text_atomic(out / "report.md", text)
+    print("\n" + text.split("\n![")[0])
+    print(f"\nreport: {report}  ({time.time() - t0:.0f} s)")
+    return report
+
+
 def _params(path: Path) -> int:
     from safetensors import safe_open
 
@@ -420,8 +532,12 @@ def _params(path: Path) -> int:
 def main(argv: list[str]) -> int:
     cfg = parse_config(DemoConfig, argv, "kvdistill demo", __doc__)
     out = Path(cfg.output_dir)
+    regime = None if cfg.task == "arithmetic" else Regime.load(cfg.task, cfg.quick)  # refused before any write
     if cfg.fresh and out.is_dir():
         shutil.rmtree(out)
     check_output_dir(out)
-    run_demo(out, quick=cfg.quick, seed=cfg.seed, workers=cfg.workers, gate=cfg.gate)
+    if regime is None:
+        run_demo(out, quick=cfg.quick, seed=cfg.seed, workers=cfg.workers, gate=cfg.gate)
+    else:
+        run_regime(out, regime, seed=cfg.seed, workers=cfg.workers, gate=cfg.gate)
     return 0

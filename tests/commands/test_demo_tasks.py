@@ -1,0 +1,91 @@
+"""`kvdistill demo --task binding|modular`: a regime's assets from one command (issue 31)."""
+
+import json
+import re
+import shutil
+
+import pytest
+import yaml
+
+from kvdistill.commands import demo
+from kvdistill.commands.demo import DemoConfig
+from kvdistill.commands.demo import main as demo_main
+from kvdistill.config import ConfigError, parse_config
+
+SPLITS = ("teacher_pool", "train", "dev", "teacher_dev", "test", "other_task", "other_task_dev")
+
+
+@pytest.mark.slow
+def test_demo_modular_quick_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    assert demo_main(["--task", "modular", "--quick", "--output_dir", str(out)]) == 0
+    assert all((out / "data" / f"{s}.jsonl").read_text() for s in SPLITS)
+    models = json.loads((demo.CONFIG_DIR / "modular" / "models.json").read_text())["models"]
+    for name, m in models.items():  # the inits as models.json says
+        cfg = json.loads((out / "init" / name / "config.json").read_text())
+        assert cfg["tie_word_embeddings"] is False and cfg["num_hidden_layers"] == m["sizes"]["num_hidden_layers"]
+    report = (out / "report.md").read_text()
+    for name, gate_split in (("teacher_qwen2", "teacher_dev"), ("teacher_llama", "teacher_dev"),
+                             ("teacher_other", "other_task_dev")):
+        config = yaml.safe_load((out / "teachers" / name / "kvdistill_config.yaml").read_text())
+        assert config["data_split"] == models[name]["data"] and config["max_steps"] == 4
+        summary = json.loads((out / f"eval_{gate_split}" / name / "summary.json").read_text())
+        assert summary["n"] == 12  # the whole gate split (quick n_teacher_dev)
+        assert re.search(rf"\| {name} \| {gate_split} \| {summary['accuracy']:.3f} \|", report)
+        probe = json.loads((out / "probe" / name / "probe.json").read_text())
+        assert (probe["target"], probe["rows"]) == ("field:number", "field:numeral")
+        assert [m["untrained"] for m in probe["models"]] == [False, True]
+        assert (out / "probe" / name / "probe.png").read_bytes()[:4] == b"\x89PNG"
+        assert f"| {name} | " in report.split("**Probe audit**")[1]
+    # the student's curve on dev from its labelled split; the budget is a point of it
+    config = yaml.safe_load((out / "runs" / "sft_curve" / "kvdistill_config.yaml").read_text())
+    assert config["data_split"] == "train" and config["accuracy_eval_split"] == "dev"
+    curve = json.loads((out / "sft_curve.json").read_text())
+    assert curve["budget"] in [s for s, _ in curve["points"]] and curve["labelled"] == 42  # 0.35 of 11 x 11
+    assert f"max_steps: {curve['budget']}" in report and f"student: {out / 'init' / 'student'}" in report
+    # a second run reuses everything; a gate the teachers miss stops it naming the teacher and its split
+    mtime = (out / "teachers" / "teacher_other" / "model.safetensors").stat().st_mtime_ns
+    probed = (out / "probe" / "teacher_other" / "probe.json").stat().st_mtime_ns
+    assert demo_main(["--task", "modular", "--quick", "--output_dir", str(out)]) == 0
+    assert (out / "teachers" / "teacher_other" / "model.safetensors").stat().st_mtime_ns == mtime
+    assert (out / "probe" / "teacher_other" / "probe.json").stat().st_mtime_ns == probed
+    with pytest.raises(SystemExit, match=r"quality gate: teacher teacher_qwen2 reached .* on teacher_dev, .* below "
+                                         r"the 0.99 gate"):
+        demo_main(["--task", "modular", "--quick", "--output_dir", str(out), "--gate", "0.99"])
+
+
+def test_each_task_has_its_own_default_output_dir():
+    assert parse_config(DemoConfig, [], "demo").output_dir == "outputs/demo"
+    for task in ("binding", "modular"):
+        assert parse_config(DemoConfig, ["--task", task], "demo").output_dir == f"outputs/demo_{task}"
+    assert parse_config(DemoConfig, ["--task", "binding", "--out", "x"], "demo").output_dir == "x"
+
+
+def test_an_unknown_task_is_refused():
+    with pytest.raises(ConfigError, match=r"task 'sorting' is not one of \('arithmetic', 'binding', 'modular'\)"):
+        parse_config(DemoConfig, ["--task", "sorting"], "demo")
+
+
+@pytest.mark.parametrize("missing, message", [
+    ("models.json", "models.json is missing: a regime needs its models.json"),
+    ("demo.yaml", "demo config .*demo.yaml is missing"),
+    ("teacher.yaml", "demo config .*teacher.yaml is missing"),
+])
+def test_a_missing_regime_config_is_refused_before_anything_is_written(tmp_path, monkeypatch, missing, message):
+    configs = tmp_path / "configs"
+    shutil.copytree(demo.CONFIG_DIR / "binding", configs / "binding")
+    (configs / "binding" / missing).unlink()
+    monkeypatch.setattr(demo, "CONFIG_DIR", configs)
+    with pytest.raises(ConfigError, match=message):
+        demo_main(["--task", "binding", "--quick", "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_binding_regime_configs_are_complete():
+    """What `--task binding` reads, read as it does: the teachers, their gate splits and the probe target."""
+    regime = demo.Regime.load("binding", quick=True)
+    assert regime.teachers == {"teacher_qwen2": ("teacher_pool", "teacher_dev"),
+                               "teacher_llama": ("teacher_pool", "teacher_dev"),
+                               "teacher_other": ("other_task", "other_task_dev")}
+    assert (regime.settings.probe["target"], regime.settings.probe["rows"]) == ("field:value", "field:name")
+    assert regime.models.models["student"].sizes["num_hidden_layers"] >= 3
