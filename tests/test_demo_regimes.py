@@ -34,7 +34,7 @@ def test_write_data_writes_every_split_once_and_refuses_other_options(tmp_path):
     assert (out / "dev.jsonl").stat().st_mtime_ns == before
     with pytest.raises(ConfigError, match=r"made with other options .* delete"):
         write_data("binding", {**BINDING, "n_dev": 9}, out, seed=1)
-    with pytest.raises(ConfigError, match="unexpected keyword argument 'modulus'"):
+    with pytest.raises(ConfigError, match=r"unknown \['modulus'\]; they are the keyword arguments of kvdistill.tasks.binding.make_splits"):
         write_data("binding", {**BINDING, "modulus": 7}, tmp_path / "other")
     with pytest.raises(ConfigError, match=r"task 'sorting' has no regime data; choose one of \['binding', 'modular'\]"):
         write_data("sorting", {}, tmp_path / "other")

@@ -32,6 +32,7 @@ from kvdistill.synthetic import write_jsonl
 from kvdistill.tasks import binding, modular
 
 SPLIT_MAKERS = {"binding": binding.make_splits, "modular": modular.make_splits}  # task -> make_splits(**knobs)
+KNOBS_OF = {"binding": (binding.generate_programs,)}  # where a make_splits hands its other **knobs
 TOKENIZER_TEXTS = 4000  # teacher_pool records the tokenizers learn from
 MAX_POSITIONS = 256  # default max_position_embeddings (a model's `sizes` may set its own)
 MODEL_KEYS = ("model_type", "tokenizer", "tie_word_embeddings", "data", "sizes")
@@ -124,12 +125,26 @@ def build_models(spec_path: str | Path, data: str | Path, out: str | Path, seed:
     return paths
 
 
+def check_data(task: str, knobs: dict[str, Any]) -> None:
+    """A `ConfigError` when `task` has no regime data, or `knobs` miss one its make_splits needs or name one
+    that neither it nor the generator it hands the rest to (`KNOBS_OF`) takes."""
+    if task not in SPLIT_MAKERS:
+        raise ConfigError(f"task {task!r} has no regime data; choose one of {sorted(SPLIT_MAKERS)}")
+    maker = inspect.signature(SPLIT_MAKERS[task]).parameters.values()
+    required = {p.name for p in maker if p.default is p.empty and p.kind is not p.VAR_KEYWORD}
+    takes = {p.name for fn in (SPLIT_MAKERS[task], *KNOBS_OF.get(task, ()))
+             for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD} - {"seed", "n", "exclude"}
+    missing, unknown = required - set(knobs), set(knobs) - takes
+    if missing or unknown:
+        raise ConfigError(f"{task} data knobs: missing {sorted(missing)}, unknown {sorted(unknown)}; "
+                          f"they are the keyword arguments of kvdistill.tasks.{task}.make_splits: {sorted(takes)}")
+
+
 def write_data(task: str, knobs: dict[str, Any], out: str | Path, seed: int = 0) -> dict[str, int]:
     """Every split of `task` (`SPLIT_MAKERS[task](**knobs, seed=seed)`, the code `gen-data --task` runs) as
     `out/<split>.jsonl`, and `task.json` (options and sizes); `{split: records}` counts. Reused when written
     with the same options; written with others, a `ConfigError` says what to delete."""
-    if task not in SPLIT_MAKERS:
-        raise ConfigError(f"task {task!r} has no regime data; choose one of {sorted(SPLIT_MAKERS)}")
+    check_data(task, knobs)
     out = Path(out)
     options = {"task": task, "seed": seed, **knobs}
     saved = read_json(out / "task.json")
@@ -140,7 +155,7 @@ def write_data(task: str, knobs: dict[str, Any], out: str | Path, seed: int = 0)
         return saved["splits"]
     try:
         splits = SPLIT_MAKERS[task](**knobs, seed=seed)
-    except (TypeError, ValueError) as err:  # an unknown knob, or knobs no dataset can satisfy
+    except ValueError as err:  # knobs no dataset can satisfy; the message names them
         raise ConfigError(f"{task} data: {err}") from None
     for name, records in splits.items():
         write_jsonl(records, out / f"{name}.jsonl")

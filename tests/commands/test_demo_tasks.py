@@ -81,6 +81,22 @@ def test_a_missing_regime_config_is_refused_before_anything_is_written(tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: {**d, "modulus": 7}, r"binding data knobs: missing \[\], unknown \['modulus'\]"),
+    (lambda d: {k: v for k, v in d.items() if k != "n_dev"}, r"binding data knobs: missing \['n_dev'\], unknown \[\]"),
+])
+def test_data_knobs_the_generator_does_not_take_are_refused_before_anything_is_written(tmp_path, monkeypatch, edit,
+                                                                                      message):
+    configs = tmp_path / "configs"
+    shutil.copytree(demo.CONFIG_DIR / "binding", configs / "binding")
+    settings = yaml.safe_load((configs / "binding" / "demo.yaml").read_text())
+    (configs / "binding" / "demo.yaml").write_text(yaml.safe_dump({**settings, "data": edit(settings["data"])}))
+    monkeypatch.setattr(demo, "CONFIG_DIR", configs)
+    with pytest.raises(ConfigError, match=message):
+        demo_main(["--task", "binding", "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 def test_binding_regime_configs_are_complete():
     """What `--task binding` reads, read as it does: the teachers, their gate splits and the probe target."""
     regime = demo.Regime.load("binding", quick=True)

@@ -458,7 +458,9 @@ class Regime:
         for name in ("teacher.yaml", "student.yaml"):
             config_path(f"{task}/{name}")
         models = regimes.read_models(CONFIG_DIR / task / "models.json")
-        return Regime(task, regimes.read_settings(config_path(f"{task}/demo.yaml"), quick), models, regimes.teachers_of(models))
+        settings = regimes.read_settings(config_path(f"{task}/demo.yaml"), quick)
+        regimes.check_data(task, settings.data)
+        return Regime(task, settings, models, regimes.teachers_of(models))
 
 
 def evidence_assets(out: Path, regime: Regime, budget: int) -> str:
