@@ -51,10 +51,16 @@ def evaluated(eval_dir: str | Path) -> bool:
     return (Path(eval_dir) / EVAL_SUMMARY).exists()
 
 
+def checkpoint_step(path: str | Path) -> int | None:
+    """N of a `checkpoint-N` dir's name (the global step it was saved at); None for any other name."""
+    step = Path(path).name.removeprefix(f"{CHECKPOINT}-")
+    return int(step) if step != Path(path).name and step.isascii() and step.isdigit() else None
+
+
 def checkpoints(run_dir: str | Path) -> list[Path]:
     """The `checkpoint-N` dirs of a run, complete or not, oldest first."""
-    steps = {int(p.name.rsplit("-", 1)[1]): p for p in Path(run_dir).glob(f"{CHECKPOINT}-*")
-             if p.name.rsplit("-", 1)[1].isdigit() and p.is_dir()}
+    steps = {step: p for p in Path(run_dir).glob(f"{CHECKPOINT}-*")
+             if (step := checkpoint_step(p)) is not None and p.is_dir()}
     return [steps[k] for k in sorted(steps)]
 
 
@@ -75,7 +81,7 @@ def resolve_model(path: str | Path, doing: str, log: Callable[[str], None] = pri
     p = Path(path)
     if not p.is_dir():
         return str(path)
-    if p.name.startswith(f"{CHECKPOINT}-") and p.name.rsplit("-", 1)[1].isdigit() and (p / TRAIN_CONFIG).exists():
+    if checkpoint_step(p) is not None and (p / TRAIN_CONFIG).exists():
         if not (p / COMPLETE_FILE).is_file():
             done = complete_checkpoints(p.parent)
             raise ConfigError(f"checkpoint {p} is incomplete (no {COMPLETE_FILE}: the run stopped while saving it); "

@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -10,7 +11,7 @@ from kvdistill.config import ConfigError
 from kvdistill.evaluate.scoring import (
     read_items,
 )
-from kvdistill.runs import COMPLETE_FILE, TRAIN_CONFIG, resolve_model
+from kvdistill.runs import COMPLETE_FILE, TRAIN_CONFIG, checkpoint_step, checkpoints, resolve_model
 
 
 def test_cli_writes_items_and_summary(tiny_world, tmp_path, capsys):
@@ -55,6 +56,9 @@ def test_resolve_model(tmp_path):
         (run / f"checkpoint-{step}" / TRAIN_CONFIG).write_text("{}")
         if step != 12:  # checkpoint-12 was cut short
             (run / f"checkpoint-{step}" / COMPLETE_FILE).write_text("{}")
+    for name in ("checkpoint-best-20", "checkpoint-３０", "checkpoint-"):  # a copy, a non-ASCII digit: no checkpoint
+        shutil.copytree(run / "checkpoint-5", run / name)
+    assert [checkpoint_step(p) for p in checkpoints(run)] == [5, 9, 10, 12]
     assert resolve_model(run, "evaluating", said.append) == str(run / "checkpoint-10")
     assert said == [f"evaluating {run / 'checkpoint-10'} (newest complete checkpoint; the run has no final model)"]
     (run / "config.json").write_text("{}")  # the final save began, and did not reach its last file
@@ -74,8 +78,6 @@ def test_resolve_model(tmp_path):
 
 
 def test_kvdistill_run_dir_uses_its_training_template(tiny_world, tmp_path):
-    import shutil
-
     from kvdistill.commands.eval import run_eval, training_prompt_settings
 
     run = tmp_path / "run"
@@ -109,8 +111,6 @@ def test_eval_refuses_non_positive_sizes(flag, value):
 
 def test_privileged_student_perplexity_is_on_the_text_it_read(tiny_world, tmp_path):
     """A `student_input: no_rationale` student is scored on `#### n` answers, not the full rationale."""
-    import shutil
-
     from kvdistill.commands.eval import run_eval
 
     run = tmp_path / "run"

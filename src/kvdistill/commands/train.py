@@ -14,7 +14,7 @@ from pathlib import Path
 from kvdistill.config import check_output_dir
 from kvdistill.io import read_json, write_json_atomic
 from kvdistill.report import environment
-from kvdistill.runs import METRICS, TRAIN_CONFIG, TRAIN_SUMMARY, check_reuse
+from kvdistill.runs import METRICS, TRAIN_CONFIG, TRAIN_SUMMARY, check_reuse, checkpoints
 from kvdistill.train.build import build_trainer
 from kvdistill.train.config import BOOKKEEPING, KVDistillConfig, parse_config
 
@@ -64,11 +64,9 @@ def check_earlier_run(cfg: KVDistillConfig) -> None:
     if cfg.overwrite_output_dir or cfg.resume_from_checkpoint:
         return
     out = Path(cfg.output_dir)
-    steps = sorted((p for p in out.glob("checkpoint-*") if p.name.rsplit("-", 1)[1].isdigit()),
-                   key=lambda p: int(p.name.rsplit("-", 1)[1]), reverse=True)
     fix = ("pass --overwrite_output_dir to train over it, a new --output_dir, or --resume_from_checkpoint last "
            "with the settings it was made with")
-    for rdir in (out, *steps):  # the finished run, else its newest checkpoint with a config
+    for rdir in (out, *reversed(checkpoints(out))):  # the finished run, else its newest checkpoint with a config
         if (rdir / TRAIN_CONFIG).exists():
             check_reuse(rdir, TRAIN_CONFIG, cfg.to_yaml_dict(), BOOKKEEPING, common_only=True,
                         asker="this training", fix=fix)
