@@ -97,6 +97,33 @@ def test_bf16_capture_halves_the_bytes(base_args, tiny_world, tmp_path):
     assert len(_losses(trainer)["loss"]) == 3
 
 
+def test_capture_of_run_dirs_reads_their_final_model_or_newest_complete_checkpoint(base_args, tiny_world, tmp_path):
+    """Run dirs as the student and a teacher: the student run's final model, the teacher run's newest complete
+    checkpoint (never the newer cut-short one, nor the run dir, which holds no model), each said in one line."""
+    import shutil
+
+    from kvdistill.capture import weights_fingerprint
+    from kvdistill.runs import COMPLETE_FILE, TRAIN_CONFIG
+
+    m, student, teacher = tiny_world.models, tmp_path / "student_run", tmp_path / "teacher_run"
+    shutil.copytree(m["student"], student)
+    (student / TRAIN_CONFIG).write_text("{}")  # the final save went to its end
+    shutil.copytree(m["student"], teacher / "checkpoint-4")  # a cut-short save: another model, no marker
+    for step in (2, 3):
+        shutil.copytree(m["qwen2_teacher"], teacher / f"checkpoint-{step}")
+        (teacher / f"checkpoint-{step}" / TRAIN_CONFIG).write_text("{}")
+        (teacher / f"checkpoint-{step}" / COMPLETE_FILE).write_text("{}")
+    argv = _argv(base_args, tiny_world, tmp_path, student=student, teachers=f"[{{path: {teacher}}}]", max_samples=4,
+                 transfer_data="", logit_kd_weight=0)
+    said = []
+    root = capture_cmd.run_capture(parse_config(argv), log=said.append)
+    assert said[:2] == [f"student: loading {student} (the run's final model)",
+                        f"teacher teacher_run: loading {teacher / 'checkpoint-3'} (newest complete checkpoint; the run "
+                        "has no final model)"]
+    settings = json.loads((root / "teacher_run" / MANIFEST).read_text())["settings"]
+    assert settings["weights"] == weights_fingerprint(teacher / "checkpoint-3")
+
+
 def test_capture_cli_needs_a_directory_and_a_teacher_signal(base_args, tiny_world, tmp_path):
     from kvdistill.config import ConfigError
 

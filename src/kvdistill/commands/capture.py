@@ -52,7 +52,7 @@ def run_capture(cfg: KVDistillConfig, log=print, made: dict[str, dict] | None = 
     if not cfg.teacher_capture:
         raise ConfigError("set --teacher_capture DIR: where the capture is written")
     check_output_dir(cfg.teacher_capture, "teacher_capture")
-    run = load_run(cfg)
+    run = load_run(cfg, log=log)  # a run dir as student or teacher: its final model, else newest complete checkpoint
     if not run.teachers:
         raise ConfigError("nothing to capture: the config has no teachers, or no teacher signal "
                           "(kv_weight, logit_kd_weight, codi_weight all 0)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from kvdistill.models import (
     max_positions,
     num_layers,
 )
+from kvdistill.runs import resolve_model
 from kvdistill.teachers import Teacher, TeacherSet, load_teacher, resolve_logit_kd, vocab_map
 from kvdistill.train.config import KVDistillConfig, TeacherConfig, option_names
 from kvdistill.train.distributed import gathered
@@ -208,22 +210,24 @@ def cpu_student_dtype(student: torch.nn.Module, cfg: KVDistillConfig) -> torch.n
     return student.float()
 
 
-def load_run(cfg: KVDistillConfig, teacher_weights: bool = True) -> RunInputs:
+def load_run(cfg: KVDistillConfig, teacher_weights: bool = True, log: Callable[[str], None] = print) -> RunInputs:
     """Load student, data and teachers as `cfg` names them (`teacher_weights=False`: teachers on
-    the meta device, their outputs to come from a capture)."""
+    the meta device, their outputs to come from a capture). A run dir named as the student or a
+    teacher gives its final model, else its newest complete checkpoint (`log` says which)."""
     set_seed(cfg.seed)
+    student_dir = resolve_model(cfg.student, "student: loading", log)
+    specs = [replace(s, path=resolve_model(s.path, f"teacher {s.name}: loading", log)) for s in cfg.active_teachers]
     extra = [t.rationale_field for t in cfg.teacher_configs if t.rationale_field]
     # labelled records are learned: each answer must say which part is the final answer
     records = load_records(cfg.data, cfg.data_split, cfg.field_map, cfg.max_samples, extra_fields=extra,
                            require_final=True)
     for i, r in enumerate(records):
         r["index"] = i  # row id, for per-sample teacher weights
-    tokenizer = load_tokenizer(cfg.student)
+    tokenizer = load_tokenizer(student_dir)
     if cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
         logger.warning("use_chat_template: the student's tokenizer (%s) has no chat template; prompts are formatted "
                        "with prompt_template", cfg.student)
-    student = cpu_student_dtype(load_model(cfg.student, dtype=cfg.student_dtype), cfg)
-    specs = cfg.active_teachers
+    student = cpu_student_dtype(load_model(student_dir, dtype=cfg.student_dtype), cfg)
     # the oracle control runs no teacher: only its architecture (layer count) is read, on the meta device
     teachers = [load_teacher(s, tokenizer, untrained=cfg.teacher_control == "untrained", seed=cfg.seed,
                              weights=teacher_weights and cfg.teacher_control != "oracle") for s in specs]
