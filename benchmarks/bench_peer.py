@@ -93,18 +93,43 @@ def trl_examples(tokenizer: Any, records: list[dict], template: str) -> list[dic
     return out
 
 
+def trainer_pair(student: Path, teacher: Path, data: Path, root: Path, lmbda: float, new_tokens: int,
+                 use_cpu: bool) -> tuple[Any, Any, dict, dict]:
+    """kvdistill's and TRL's trainer on the same job, and each one's batch of the same first `BATCH` records."""
+    ours = kvdistill_trainer(student, teacher, data, root / f"kvd_{lmbda}", lmbda, new_tokens, use_cpu)
+    tok = ours.processing_class
+    records = [ours.train_dataset[i] for i in range(BATCH)]
+    examples = trl_examples(tok, records, ours.args.prompt_template)
+    peer = trl_trainer(student, teacher, examples, root / f"trl_{lmbda}", lmbda, new_tokens, use_cpu, tok)
+    return (ours, peer, ours._prepare_inputs(ours.data_collator(records)),
+            peer._prepare_inputs(peer.data_collator(examples)))
+
+
+def fixed_batch_losses(ours: Any, peer: Any, fixed: dict) -> dict[str, float]:
+    """(c) one fixed batch: the same tensors into both `compute_loss`, the same weights; then both loss formulas
+    on the very same logits, at loss temperature 1 and 2 (kvdistill's T^2 factor divided out)."""
+    with torch.no_grad():
+        loss_ours = float(ours.compute_loss(ours.model, fixed))
+        plain = {k: fixed[k] for k in ("input_ids", "attention_mask", "labels")}
+        loss_peer = float(peer.compute_loss(peer.model, plain))
+        student_logits = ours.distill_model.student(**{k: plain[k] for k in ("input_ids", "attention_mask")}).logits
+        teacher_logits = next(iter(ours.teachers)).model(**{k: plain[k] for k in ("input_ids", "attention_mask")}).logits
+        n = (plain["labels"][:, 1:] != -100).sum()
+        formula = {}
+        for temp in (1.0, 2.0):
+            ours_f = logit_kd_sum(student_logits, teacher_logits, plain["labels"], "jsd", temp, beta=BETA) / n / temp**2
+            peer_f = type(peer).generalized_jsd_loss(student_logits[:, :-1], teacher_logits[:, :-1],
+                                                     plain["labels"][:, 1:], beta=BETA, temperature=temp)
+            formula[temp] = abs(float(ours_f) - float(peer_f))
+    return {"loss_kvdistill": loss_ours, "loss_trl": loss_peer, "loss_abs_diff": abs(loss_ours - loss_peer),
+            "formula_abs_diff_t1": formula[1.0], "formula_abs_diff_t2_over_t2": formula[2.0]}
+
+
 def bench_pair(case: str, student: Path, teacher: Path, data: Path, root: Path, device: torch.device,
                new_tokens: int, warmup: int, repeats: int) -> dict[str, Any]:
-    cpu = device.type == "cpu"
-    ours = {lm: kvdistill_trainer(student, teacher, data, root / f"kvd_{lm}", lm, new_tokens, cpu) for lm in (0.0, 1.0)}
-    tok = ours[0.0].processing_class
-    records = [ours[0.0].train_dataset[i] for i in range(BATCH)]
-    template = ours[0.0].args.prompt_template
-    examples = trl_examples(tok, records, template)
-    peers = {lm: trl_trainer(student, teacher, examples, root / f"trl_{lm}", lm, new_tokens, cpu, tok)
-             for lm in (0.0, 1.0)}
-    gold = {lm: t._prepare_inputs(t.data_collator(records)) for lm, t in ours.items()}
-    peer_batch = {lm: t._prepare_inputs(t.data_collator(examples)) for lm, t in peers.items()}
+    pairs = {lm: trainer_pair(student, teacher, data, root, lm, new_tokens, device.type == "cpu") for lm in (0.0, 1.0)}
+    ours, peers = {lm: p[0] for lm, p in pairs.items()}, {lm: p[1] for lm, p in pairs.items()}
+    gold, peer_batch = {lm: p[2] for lm, p in pairs.items()}, {lm: p[3] for lm, p in pairs.items()}
 
     def ours_step(lm: float) -> None:
         t = ours[lm]
@@ -123,31 +148,14 @@ def bench_pair(case: str, student: Path, teacher: Path, data: Path, root: Path, 
            "kvdistill_on": lambda: ours_step(1.0), "trl_on": lambda: peer_step(1.0)}
     times = interleaved_times(fns, repeats, warmup=warmup, device=device)
 
-    # (c) one fixed batch: the same tensors into both compute_loss, the same weights (training_step above
-    # leaves them untouched: no optimizer step); then both loss formulas on the very same logits, at loss
-    # temperature 1 and 2 (kvdistill's T^2 factor divided out)
-    fixed, t = gold[0.0], ours[0.0]
-    with torch.no_grad():
-        loss_ours = float(t.compute_loss(t.model, fixed))
-        plain = {k: fixed[k] for k in ("input_ids", "attention_mask", "labels")}
-        loss_peer = float(peers[0.0].compute_loss(peers[0.0].model, plain))
-        student_logits = t.distill_model.student(**{k: plain[k] for k in ("input_ids", "attention_mask")}).logits
-        teacher_logits = next(iter(t.teachers)).model(**{k: plain[k] for k in ("input_ids", "attention_mask")}).logits
-        n = (plain["labels"][:, 1:] != -100).sum()
-        formula = {}
-        for temp in (1.0, 2.0):
-            ours_f = logit_kd_sum(student_logits, teacher_logits, plain["labels"], "jsd", temp, beta=BETA) / n / temp**2
-            peer_f = type(peers[0.0]).generalized_jsd_loss(student_logits[:, :-1], teacher_logits[:, :-1],
-                                                           plain["labels"][:, 1:], beta=BETA, temperature=temp)
-            formula[temp] = abs(float(ours_f) - float(peer_f))
     return {
         "case": case,
         "kvdistill_off_ms": times.ms("kvdistill_off"), "trl_off_ms": times.ms("trl_off"),
         "ratio_vs_trl_offpolicy": times.ratio("kvdistill_off", "trl_off"),
         "kvdistill_on_ms": times.ms("kvdistill_on"), "trl_on_ms": times.ms("trl_on"),
         "ratio_vs_trl_onpolicy": times.ratio("kvdistill_on", "trl_on"),
-        "loss_kvdistill": loss_ours, "loss_trl": loss_peer, "loss_abs_diff": abs(loss_ours - loss_peer),
-        "formula_abs_diff_t1": formula[1.0], "formula_abs_diff_t2_over_t2": formula[2.0],
+        # training_step above leaves the weights untouched (no optimizer step)
+        **fixed_batch_losses(ours[0.0], peers[0.0], gold[0.0]),
     }
 
 

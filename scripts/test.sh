@@ -2,8 +2,9 @@
 # One command: set up and run the test suite (offline, CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# the tests also run lm-evaluation-harness and read TensorBoard / offline wandb logs; the demo needs none of them
-KVDISTILL_EXTRAS="dev,eval,tensorboard,wandb" bash scripts/setup.sh
+# the tests also run lm-evaluation-harness, read TensorBoard / offline wandb logs and compare a loss with TRL's
+# (peer: ~17 s more install); the demo needs none of them
+KVDISTILL_EXTRAS="dev,eval,tensorboard,wandb,peer" bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 set +e
