@@ -14,7 +14,7 @@ import pytest
 
 from kvdistill.config import ConfigError
 from kvdistill.runs import COMPLETE_FILE, METRICS, TRAIN_CONFIG, resolve_model
-from tests.bad_inputs.conftest import Ctx, assert_refused
+from tests.bad_inputs.conftest import Ctx, assert_refused, run_in_process
 
 SUBPROCESS = pytest.mark.subprocess
 
@@ -68,13 +68,14 @@ def test_run_dir_refused(argv, expect, refused):
 
 
 @pytest.mark.parametrize("final", [False, True], ids=["newest_complete_checkpoint", "final_model"])
-def test_eval_of_a_run_dir_says_which_model(final, world, child, tmp_path):
+def test_eval_of_a_run_dir_says_which_model(final, world, tmp_path, capsys):
     """The newest checkpoint was cut short: eval takes the final model when the run has one, else the
-    newest complete checkpoint, and says which in one line."""
+    newest complete checkpoint, and says which in one line. In process (`kvdistill.cli.main`, the console
+    script's dispatcher): the child-process path of the same resolution is `eval_only_incomplete_checkpoints`."""
     c = Ctx(world, tmp_path, lambda: None)
     run = run_dir(c, complete=(2,), cut=(4,), final=final)
-    rc, out, err = child(*ev(c, run))
-    assert rc == 0, err[-5:]
+    rc, out, err = run_in_process(ev(c, run), capsys)
+    assert rc == 0, err[-2000:]
     said = (f"evaluating {run} (the run's final model)" if final else
             f"evaluating {run / 'checkpoint-2'} (newest complete checkpoint; the run has no final model)")
     assert said in out.splitlines()

@@ -1,16 +1,52 @@
 """Issue 35: what used to exit 0 having done something other than what was asked, run as a user runs
 it (`python -m kvdistill.cli ...` in a child process): a NaN loss weight, a second training into an
-output_dir of another run, options that cannot act in the run."""
+output_dir of another run, options that cannot act in the run. The cases marked `subprocess` start
+ahead with the session's other child processes (`conftest.Children`); the test reads each one's result."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvdistill.cli import main as cli
+from tests.bad_inputs.conftest import assert_refused
+
+SUBPROCESS = pytest.mark.subprocess
 
 
-def test_a_nan_loss_weight_is_refused_not_off(child, train_args, tmp_path):
-    rc, _, err = child(*train_args(output_dir=tmp_path / "out", kv_weight="nan"))
-    assert rc == 2 and err[-1].startswith("kvdistill train: error: kv_weight must be >= 0, got nan")
-    assert not (tmp_path / "out").exists()
+def _ablation(c, variants, **extra) -> str:
+    """An ablation config of 1-step SFT variants on the world, written into the case's dir `c.tmp`."""
+    import yaml
+
+    (c.tmp / "train.yaml").write_text(yaml.safe_dump({
+        "student": str(c.world.student), "data": str(c.world.data), "kv_weight": 0, "max_steps": 1,
+        "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_length": 128, "use_cpu": True,
+        "save_steps": 1000, "report_to": "none"}))
+    path = c.tmp / "ablation.yaml"
+    path.write_text(yaml.safe_dump({"base_config": "train.yaml", "output_dir": str(c.tmp / "abl"), "seeds": [0],
+                                    "variants": variants, **extra}))
+    return str(path)
+
+
+SFT = {"name": "sft", "overrides": {"max_steps": 1}}
+REFUSED = [
+    pytest.param(lambda c: c.train(kv_weight="nan"), ("kv_weight must be >= 0, got nan",),
+                 id="nan_loss_weight_not_off", marks=SUBPROCESS),
+    # every variant's overrides are checked before the first run trains
+    pytest.param(lambda c: ["ablate", "--config", _ablation(c, [SFT, {"name": "typo", "overrides": {"kv_wieght": 0.1}}])],
+                 ("variant typo: unknown key 'kv_wieght'", "did you mean 'kv_weight'"),
+                 id="ablate_variant_typo_before_the_first_run", marks=SUBPROCESS),
+    pytest.param(lambda c: ["ablate", "--config", _ablation(c, [SFT]), "--report_only"],
+                 ("holds no finished run", "--report_only"), id="ablate_report_only_over_no_runs", marks=SUBPROCESS),
+]
+
+
+@pytest.mark.parametrize("argv, expect", REFUSED)
+def test_refused_not_silent(argv, expect, children, request):
+    rc, _, err, ctx, args, _ = children.result(request.node.nodeid)
+    assert rc == 2
+    assert_refused(rc, err, args[0], expect)
+    assert not ctx.out.exists()  # nothing trained: no output_dir, no ablation run, no report
+    assert not any((ctx.tmp / "abl").rglob("train_summary.json")) and not (ctx.tmp / "abl" / "ablation.md").exists()
 
 
 def test_training_into_the_output_dir_of_a_run_with_other_settings_is_refused(child, train_args, tmp_path):
@@ -26,40 +62,24 @@ def test_training_into_the_output_dir_of_a_run_with_other_settings_is_refused(ch
     assert cli(train_args(output_dir=out)) == 0  # the same settings: trained again, as before
 
 
-def _ablation(tmp_path, world, variants, **extra) -> str:
-    import yaml
-
-    (tmp_path / "train.yaml").write_text(yaml.safe_dump({
-        "student": str(world.student), "data": str(world.data), "kv_weight": 0, "max_steps": 1,
-        "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_length": 128, "use_cpu": True,
-        "save_steps": 1000, "report_to": "none"}))
-    path = tmp_path / "ablation.yaml"
-    path.write_text(yaml.safe_dump({"base_config": "train.yaml", "output_dir": str(tmp_path / "abl"), "seeds": [0],
-                                    "variants": variants, **extra}))
-    return str(path)
-
-
-def test_ablate_checks_every_variants_overrides_before_the_first_run(child, world, tmp_path):
-    config = _ablation(tmp_path, world, [{"name": "sft", "overrides": {"max_steps": 1}},
-                                         {"name": "typo", "overrides": {"kv_wieght": 0.1}}])
-    rc, _, err = child("ablate", "--config", config)
-    assert rc == 2 and err[-1].startswith("kvdistill ablate: error: variant typo: unknown key 'kv_wieght'")
-    assert "did you mean 'kv_weight'" in err[-1]
-    assert not (tmp_path / "abl" / "runs" / "sft" / "seed_0" / "train_summary.json").exists()  # nothing trained
+CANNOT_ACT = [
+    pytest.param(lambda c: c.train(kv_weight=0.1, max_steps=1,
+                                   teachers=f"[{{path: {c.world.teacher}, layer_map: {c.tmp / 'map.json'}}}]"),
+                 [("its layer_map JSON is not read: layer_map is proportional",)], id="teacher_layer_map_unread",
+                 marks=SUBPROCESS),
+    pytest.param(lambda c: c.train(transfer_data=c.world.data, use_chat_template="true"),
+                 [("transfer_data {data} is not read: this run has no teacher signal",),
+                  ("use_chat_template: the student's tokenizer", "has no chat template")],
+                 id="transfer_data_and_chat_template_unread", marks=SUBPROCESS),
+]
 
 
-def test_ablate_report_only_over_no_runs_is_an_error(child, world, tmp_path):
-    config = _ablation(tmp_path, world, [{"name": "sft", "overrides": {"max_steps": 1}}])
-    rc, _, err = child("ablate", "--config", config, "--report_only")
-    assert rc == 2 and "holds no finished run" in err[-1] and "--report_only" in err[-1]
-    assert not (tmp_path / "abl" / "ablation.md").exists()
-
-
-def test_options_that_cannot_act_are_named(child, world, train_args, tmp_path):
-    teacher = f"[{{path: {world.teacher}, layer_map: {tmp_path / 'map.json'}}}]"
-    rc, _, err = child(*train_args(output_dir=tmp_path / "a", kv_weight=0.1, teachers=teacher, max_steps=1))
-    assert rc == 0 and any("its layer_map JSON is not read: layer_map is proportional" in line for line in err)
-    rc, _, err = child(*train_args(output_dir=tmp_path / "b", transfer_data=world.data, use_chat_template="true"))
-    assert rc == 0
-    assert any(f"transfer_data {world.data} is not read: this run has no teacher signal" in line for line in err)
-    assert any("use_chat_template: the student's tokenizer" in line and "has no chat template" in line for line in err)
+@pytest.mark.parametrize("argv, expect", CANNOT_ACT)
+def test_options_that_cannot_act_are_named(argv, expect, children, request):
+    """The run trains (exit 0) and a stderr line names each option that cannot act (`expect`: the parts
+    of each such line)."""
+    rc, _, err, ctx, _, _ = children.result(request.node.nodeid)
+    assert rc == 0, err[-2000:]
+    for parts in expect:
+        parts = [p.format(data=ctx.world.data) for p in parts]
+        assert any(all(p in line for p in parts) for line in err.splitlines()), parts

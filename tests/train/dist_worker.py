@@ -5,7 +5,7 @@ teachers live, and the trained state gathered to full tensors.
     accelerate launch --config_file CONFIG tests/train/dist_worker.py <kvdistill train options>
 
 Writes into output_dir: `placement_rank<i>.json` (every rank) and `gathered.safetensors` (rank 0).
-Run it with `--save_strategy no`: checkpoints are not what it looks at.
+Checkpoints (`--save_steps`) are left for the resume test; nothing recorded here reads them.
 """
 
 from __future__ import annotations
