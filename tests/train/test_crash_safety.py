@@ -46,8 +46,23 @@ def _env() -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(module_base_args, tmp_path_factory):
-    """The reference: the same run, never stopped."""
+def killed_in_save(module_base_args, tmp_path_factory):
+    """`(process, output_dir, argv)` of a `kvdistill train` child that SIGKILLs itself while writing
+    checkpoint-4, started before the in-process reference run so that the two run side by side."""
+    root = tmp_path_factory.mktemp("killed_in_save")
+    out, argv = root / "run", _argv(module_base_args, root / "run")
+    with (root / "stderr.log").open("wb") as err:  # a file, not a pipe: nobody reads it until the test
+        proc = subprocess.Popen([sys.executable, "-c", KILL_IN_SAVE, *argv], env=_env(), stdout=subprocess.DEVNULL,
+                                stderr=err)
+    yield proc, out, argv
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(module_base_args, tmp_path_factory, killed_in_save):
+    """The reference: the same run, never stopped (`killed_in_save` starts first, to overlap with it)."""
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
     assert train_main(_argv(module_base_args, out)) == 0
     return out
@@ -92,11 +107,9 @@ def test_checkpoints_carry_the_marker_and_rotation_keeps_complete_ones(uninterru
     assert (out / "checkpoint-8" / COMPLETE_FILE).is_file()
 
 
-def test_kill_during_a_save_then_resume_last(uninterrupted, base_args, tmp_path):
-    out = tmp_path / "killed_in_save"
-    argv = _argv(base_args, out)
-    proc = subprocess.run([sys.executable, "-c", KILL_IN_SAVE, *argv], env=_env(), capture_output=True, timeout=600)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+def test_kill_during_a_save_then_resume_last(uninterrupted, killed_in_save):
+    proc, out, argv = killed_in_save
+    assert proc.wait(timeout=600) == -signal.SIGKILL, (out.parent / "stderr.log").read_text()[-2000:]
     assert (out / "checkpoint-4" / "model.safetensors").exists() and not (out / "checkpoint-4" / COMPLETE_FILE).exists()
     # the half-written checkpoint is refused by name, and `last` skips it
     with pytest.raises(ConfigError, match="checkpoint-4 is incomplete"):
