@@ -7,7 +7,9 @@ Layout of a capture directory (one per run config, `teacher_capture: DIR`)::
 
 A shard holds the records of consecutive batches, time-major and unpadded, concatenated over
 records: `keys`, `values` `[sum T_i, L, H, D]`, `segment_ids` `[sum T_i]`, optional `hidden_states`
-`[sum T_i, L+1, d]`, `logits` `[sum T_i, V]` and post-RoPE `queries` `[sum T_i, L, H_q, D]` (stored
+`[sum T_i, L+1, d]`, `logits` `[sum T_i, V]` or, for a run whose head losses are chunked, the final
+hidden states `final_hidden` `[sum T_i, d]` in their place (the settings say `logits: final_hidden`;
+training puts them through the teacher's head a chunk at a time), and post-RoPE `queries` `[sum T_i, L, H_q, D]` (stored
 when the run's kv_loss is attention; the settings then say `queries: true`), with `index` `[n]` (record ids) and `offsets`
 `[n + 1]` (where each record starts). These are exactly the `TeacherCache` entries of a live run,
 so a run that reads a capture sees the same tensors as one that ran the teacher (in the stored
@@ -23,7 +25,8 @@ incomplete one is never used.
 
 Bytes per token per teacher: 2 (K and V) × L × H_kv × D × bytes per value, e.g. Qwen2-7B
 (L 28, H_kv 4, D 128) in bf16: 2 × 28 × 4 × 128 × 2 = 57,344 B = 56 KiB per token, 28 MiB per
-512-token sample (+ 2 × d × (L+1) per token for hidden states, V × bytes for logits). With
+512-token sample (+ 2 × d × (L+1) per token for hidden states, V × bytes for logits or d × bytes for
+final hidden states: 151,936 vs 896 for Qwen2.5-0.5B, 170× smaller). With
 `capture_layers: mapped` L becomes the number of teacher layers the layer map reads: a CKA top-2
 map of a 24-layer student (Qwen2.5-0.5B) that reads 12 of the 28 layers stores 2 × 12 × 4 × 128 × 2
 = 24,576 B = 24 KiB per token, 12 MiB per 512-token sample (proportional 24 -> 28 reads 24 layers,
@@ -52,7 +55,7 @@ from kvdistill.teachers import TeacherCache
 
 MANIFEST = "manifest.json"
 CAPTURE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_FLOAT_FIELDS = ("keys", "values", "hidden_states", "logits", "queries")
+_FLOAT_FIELDS = ("keys", "values", "hidden_states", "logits", "final_hidden", "queries")
 _KV_FIELDS = ("keys", "values", "queries")  # `[T, L, H, D]`: `capture_layers: mapped` keeps some of their layers
 _FINGERPRINT_BYTES = 16 << 20  # head and tail of each weight file
 
@@ -212,6 +215,11 @@ def read_manifest(root: Path, settings: Mapping[str, Any]) -> dict:
     if settings.get("queries") and not manifest["settings"].get("queries"):
         raise CaptureError(f"capture {root} holds no queries (made for another kv_loss), and kv_loss attention "
                            "reads them; capture again with this run's config")
+    held, read = manifest["settings"].get("logits"), settings.get("logits")
+    if held != read and "final_hidden" in (held, read):
+        forms = {"final_hidden": "final hidden states [T, d] (a chunked head)", True: "logits [T, V]", False: "no logits"}
+        raise CaptureError(f"capture {root} holds {forms[held]} and this run reads {forms[read]} (logit_chunk_tokens "
+                           "decides); capture again with this run's config")
     if manifest["settings"] != dict(settings):
         raise CaptureError(f"capture {root} does not match this run: {_diff(manifest['settings'], settings)} "
                            "differ; capture again for this run (or fix the run's config)")

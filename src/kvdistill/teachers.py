@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,10 @@ class Teacher:
     weight: float = 1.0
     shares_student_tokens: bool = False  # same tokenizer and text as the student: reuse its input_ids
     logit_kd: str = "off"  # how its logits teach the student (`resolve_logit_kd`): same_vocab | cross_vocab | off
+    # the run's head losses are chunked: its logit KD reads its final hidden states through its head (never the
+    # [B, T, V] logits); `head` holds that head's (weight [V, d], bias) when the model has no weights (a capture)
+    head_hidden: bool = False
+    head: tuple[Tensor, Tensor | None] | None = None
 
     @property
     def config_hash(self) -> str:
@@ -99,8 +103,8 @@ class TeacherCache:
     the first. Records are stored unpadded, time-major (`[T_i, L, H, D]`), and a batch is padded on
     the right to its longest record, as the collator pads it; values equal the live forward up to
     float rounding of the batch it was first computed in. Memory: records × (keys + values
-    [+ hidden states, logits]) of one record, e.g. 500 records × 3 layers × 48 × 55 tokens × 8 bytes
-    ≈ 32 MB for K and V in fp32.
+    [+ hidden states, logits `[T_i, V]` or, for a chunked head, final hidden states `[T_i, d]`]) of
+    one record, e.g. 500 records × 3 layers × 48 × 55 tokens × 8 bytes ≈ 32 MB for K and V in fp32.
     """
 
     def __init__(self):
@@ -125,7 +129,9 @@ class TeacherCache:
         `segment_ids [T_i]`, ...): a capture read back from disk fills the cache as a live teacher does."""
         self._store[(*key, index)] = entry
 
-    def put(self, key: tuple, index: Tensor, kv: KVCache, logits: Tensor | None) -> None:
+    def put(self, key: tuple, index: Tensor, kv: KVCache, logits: Tensor | None, field: str = "logits") -> None:
+        """Store each record of a batch; `logits` `[B, T, V]`, or (`field="final_hidden"`) the final hidden
+        states `[B, T, d]` a chunked head reads."""
         lengths = kv.attention_mask.sum(1).tolist()  # right padding: the first n tokens are real
         for b, (i, n) in enumerate(zip(index.tolist(), lengths)):
             n = int(n)
@@ -139,11 +145,12 @@ class TeacherCache:
             if kv.queries is not None:
                 entry["queries"] = kv.queries[:, b, :, :n].permute(2, 0, 1, 3).cpu()  # [T_i, L, H_q, D]
             if logits is not None:
-                entry["logits"] = logits[b, :n].cpu()  # [T_i, V]
+                entry[field] = logits[b, :n].cpu()  # [T_i, V] logits or [T_i, d] final hidden states
             self.add(key, int(i), entry)
 
     def get(self, key: tuple, index: Tensor, device: torch.device) -> tuple[KVCache, Tensor | None]:
-        """The batch of records `index [B]`, right-padded: KV `[L, B, H, T, D]`, logits `[B, T, V]`."""
+        """The batch of records `index [B]`, right-padded: KV `[L, B, H, T, D]`, logits `[B, T, V]` (or the
+        final hidden states `[B, T, d]` stored in their place)."""
         from torch.nn.utils.rnn import pad_sequence
 
         entries = [self._store[(*key, int(i))] for i in index]
@@ -154,7 +161,8 @@ class TeacherCache:
         keys, values = stack("keys").permute(2, 0, 3, 1, 4), stack("values").permute(2, 0, 3, 1, 4)  # [L, B, H, T, D]
         seg = stack("segment_ids", PAD)  # [B, T]
         hidden = stack("hidden_states").permute(2, 0, 1, 3) if "hidden_states" in entries[0] else None
-        logits = stack("logits") if "logits" in entries[0] else None
+        field = next((f for f in ("logits", "final_hidden") if f in entries[0]), None)
+        logits = None if field is None else stack(field)
         queries = stack("queries").permute(2, 0, 3, 1, 4) if "queries" in entries[0] else None  # [L, B, H_q, T, D]
         kv = KVCache(keys, values, (seg != PAD).long(), seg, hidden, queries)
         return kv, logits
@@ -235,16 +243,20 @@ class TeacherSet:
         return_logits: bool = False,
         queries: bool = False,
         index: Tensor | None = None,
-    ) -> tuple[KVCache, Tensor | None]:
+    ) -> tuple[KVCache, Any]:
         """One teacher's detached KV (and logits when asked) on a batch.
 
+        A teacher with `head_hidden` (the run's head losses are chunked) gives, for its logits, its final
+        hidden states and head: `(hidden [B, T, d], weight [V, d], bias)`, a `losses.chunked.TeacherHead`;
+        its forward makes no `[B, T, V]` logits, and the cache keeps `[T_i, d]` per record instead of `[T_i, V]`.
         With the cache on and the records' ids `index [B]` given, records seen before are read from
         memory; a batch with any new record runs the teacher and stores every record of it.
         """
+        head = return_logits and self.teachers[name].head_hidden
         key = self.cache_key(name, key_space, output_hidden_states, return_logits, queries)
-        if self.cache is not None and index is not None:
-            if self.cache.has(key, index):
-                return self.cache.get(key, index, input_ids.device)
+        if self.cache is not None and index is not None and self.cache.has(key, index):
+            kv, logits = self.cache.get(key, index, input_ids.device)
+        elif self.cache is not None and index is not None:
             if is_captured(self.teachers[name]):
                 missing = self.cache.missing(key, index)
                 raise ConfigError(f"teacher {name} is read from a capture that lacks records {missing[:5]} (or was "
@@ -252,10 +264,19 @@ class TeacherSet:
                                   "run's config")
             kv, logits = self._forward(name, input_ids, attention_mask, segment_ids, key_space,
                                        output_hidden_states, return_logits, queries)
-            self.cache.put(key, index, kv, logits)
-            return kv, logits
-        return self._forward(name, input_ids, attention_mask, segment_ids, key_space, output_hidden_states,
-                             return_logits, queries)
+            self.cache.put(key, index, kv, logits, "final_hidden" if head else "logits")
+        else:
+            kv, logits = self._forward(name, input_ids, attention_mask, segment_ids, key_space, output_hidden_states,
+                                       return_logits, queries)
+        return kv, (self._with_head(name, logits) if head else logits)
+
+    def _with_head(self, name: str, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`(hidden [B, T, d], weight [V, d], bias [V] | None)`: the head of the live model, or a captured one's."""
+        t = self.teachers[name]
+        lm = t.model.get_output_embeddings() if t.head is None else None
+        weight, bias = t.head or (lm.weight, lm.bias)
+        # an offloaded teacher's head is on the CPU between forwards (a copy per step); the loss reads it here
+        return hidden, weight.to(hidden.device), None if bias is None else bias.to(hidden.device)
 
     @staticmethod
     def cache_key(name: str, key_space: KeySpace, output_hidden_states: bool, return_logits: bool,
@@ -268,14 +289,19 @@ class TeacherSet:
         t = self.teachers[name]
         if self.offload and not _is_quantized(t.model):
             t.model.to(self.device)
+        head = return_logits and t.head_hidden  # the final hidden states, not the logits
         try:
             out, kv = forward_with_kv(
-                t.model, input_ids, attention_mask, segment_ids,
-                key_space=key_space, output_hidden_states=output_hidden_states, queries=queries,
+                t.model, input_ids, attention_mask, segment_ids, key_space=key_space,
+                output_hidden_states=output_hidden_states or head, queries=queries,
+                **({"logits_to_keep": 1} if head else {}),  # the head runs on the last position only
             )
         finally:
             if self.offload and not _is_quantized(t.model):
                 t.model.to("cpu")
+        if head:  # [B, T, d] after the final norm: what the head reads
+            final = out.hidden_states[-1].detach()
+            return (kv if output_hidden_states else replace(kv, hidden_states=None)).detach(), final
         return kv.detach(), (out.logits.detach() if return_logits else None)
 
     def manifest(self) -> list[dict]:

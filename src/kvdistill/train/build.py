@@ -37,7 +37,7 @@ from kvdistill.data import DistillCollator, TeacherView, add_latent_token, load_
 from kvdistill.fields import FIELD_KEY
 from kvdistill.fusion import TeacherFusion
 from kvdistill.io import read_json, write_json_atomic
-from kvdistill.losses import RelationKVLoss, build_kv_loss
+from kvdistill.losses import RelationKVLoss, build_kv_loss, resolve_chunk_tokens
 from kvdistill.losses.attention import AttentionMapLoss
 from kvdistill.losses.relation import parse_rows
 from kvdistill.models import (
@@ -258,6 +258,7 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True, log: Callable[[
     for t, s in zip(teachers, specs):  # how each teacher's logits teach (resolved at any weight: captures read it)
         same_text = s.rationale_field is None and cfg.student_input == "full" and cfg.teacher_control != "permuted"
         t.logit_kd, why = resolve_logit_kd(s.logit_kd, t.name, t.shares_student_tokens, same_text)
+        t.head_hidden = head_hidden(cfg, t)
         if cfg.logit_kd_weight > 0:
             logger.info("teacher %s: logit KD %s (%s)", t.name, t.logit_kd, why)
     transfer = []
@@ -276,6 +277,18 @@ def cache_key(cfg: KVDistillConfig, teacher: Teacher) -> tuple:
     """The teacher-cache key of what training reads from `teacher`: KV, hidden states for CODI,
     logits for logit KD (only from teachers that share the student's tokens)."""
     return TeacherSet.cache_key(teacher.name, *cfg.teacher_outputs(teacher.logit_kd))
+
+
+def head_hidden(cfg: KVDistillConfig, teacher: Teacher) -> bool:
+    """A same-vocab teacher gives its final hidden states `[B, T, d]` and head instead of its logits when the
+    run's head losses are chunked (`resolve_chunk_tokens` of a full micro-batch > 0), so no `[B, T, V]` tensor
+    is made (a smaller batch the model does not chunk gets the logits through the head: `model.full_logits`).
+    A head that is not one `[V, d]` matrix (ZeRO-3 partitions it) keeps the logits."""
+    weight = getattr(teacher.model.get_output_embeddings(), "weight", None)
+    if cfg.logit_kd_weight == 0 or teacher.logit_kd != "same_vocab" or weight is None or weight.dim() != 2:
+        return False
+    tokens = cfg.per_device_train_batch_size * cfg.max_length
+    return resolve_chunk_tokens(cfg.logit_chunk_tokens, tokens, weight.shape[0]) > 0
 
 
 def teacher_batches(run: RunInputs, batch_size: int):
@@ -302,7 +315,9 @@ def capture_settings(cfg: KVDistillConfig, run: RunInputs) -> dict[str, dict]:
         forms = capture_forms(cfg, run, t, spec)
         settings[t.name] = {
             "tokenizer": tokenizer_hash(t.tokenizer), "tokens": hashes[t.name].hexdigest()[:16],
-            "records": len(run.records) + len(run.transfer), "hidden_states": hidden, "logits": logits,
+            # "final_hidden": the final hidden states a chunked head reads (`head_hidden`), `[T, d]` per token
+            "records": len(run.records) + len(run.transfer), "hidden_states": hidden,
+            "logits": "final_hidden" if logits and t.head_hidden else logits,
             **{k: getattr(cfg, k) for k in option_names(affects="teacher_outputs") if k not in forms},
             **{k: getattr(spec, k) for k in option_names(TeacherConfig, affects="teacher_outputs") if k not in forms},
         }
@@ -340,6 +355,17 @@ def capture_forms(cfg: KVDistillConfig, run: RunInputs, t: Teacher, spec: Teache
     }
 
 
+def captured_head(cfg: KVDistillConfig, spec: TeacherConfig, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head `(weight [V, d], bias)` of a teacher read from a capture of final hidden states (`head_hidden`;
+    its model has no weights). The teacher is loaded once on the CPU as `load_run` loads it (untrained control,
+    tied embeddings and quantization included) and only its head is kept: one code path, rather than a head
+    stored in every capture (V × d, 1 GB for a 7B teacher) or picked out of the checkpoint's files by name.
+    The capture's settings hold the weights' fingerprint, so this is the head the capture was made with."""
+    model = load_teacher(spec, tokenizer, untrained=cfg.teacher_control == "untrained", seed=cfg.seed).model
+    lm = model.get_output_embeddings()
+    return lm.weight.to(cfg.device), None if lm.bias is None else lm.bias.to(cfg.device)
+
+
 def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
     """Load everything the config names and wire it into a `KVDistillTrainer`."""
     check_zero3(cfg)
@@ -357,9 +383,11 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
                              cache=cfg.teacher_cache or bool(cfg.teacher_capture))
     if cfg.teacher_capture and teachers:
         settings = capture_settings(cfg, run)
-        for t in teachers:
+        for t, spec in zip(teachers, specs):
             n = load_capture(Path(cfg.teacher_capture) / t.name, settings[t.name], teacher_set.cache, cache_key(cfg, t))
             logger.info("teacher %s: %d records read from the capture in %s", t.name, n, cfg.teacher_capture)
+            if t.head_hidden:
+                t.head = captured_head(cfg, spec, tokenizer)
 
     # size the aligners from one probe batch (dims are read from the caches, so any pair works); under
     # ZeRO-3 the models were loaded partitioned: each is gathered whole for its probe, one at a time

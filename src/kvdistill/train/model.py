@@ -30,6 +30,7 @@ from kvdistill.losses import (
     token_ce_sum,
 )
 from kvdistill.losses.attention import aligned_attention_loss
+from kvdistill.losses.chunked import TeacherHead
 from kvdistill.losses.relation import select_rows
 
 
@@ -125,7 +126,7 @@ class KVDistillModel(nn.Module):
         segment_ids: Tensor,
         index: Tensor,
         teacher_kvs: dict[str, KVCache],
-        teacher_logits: dict[str, Tensor] | None = None,
+        teacher_logits: dict[str, Tensor | TeacherHead] | None = None,
         kv_scale: float = 0.0,
         labelled: Tensor | None = None,
         num_ce_tokens: Tensor | float | None = None,
@@ -190,7 +191,7 @@ class KVDistillModel(nn.Module):
             metrics["codi"] = (codi / input_ids.shape[0]).detach()
         if w.logit_kd > 0 and teacher_logits:
             kd = 0 if chunk else sum(  # chunked: the same-vocab KD is in the loss already
-                logit_kd_sum(out.logits, t, labels, w.logit_kd_kind, w.temperature, sample_w[:, names.index(n)],
+                logit_kd_sum(out.logits, full_logits(t), labels, w.logit_kd_kind, w.temperature, sample_w[:, names.index(n)],
                              beta=w.beta, vocab_size=self.vocab_size)
                 for n, t in same.items()
             )
@@ -214,7 +215,7 @@ class KVDistillModel(nn.Module):
                 if (layer := _first_nonfinite(getattr(kv, part))) is not None:  # [L_t, B, H, T, D]
                     return f"teacher {n}: its cache's {part} at layer {layer}"
         for n, logits in (teacher_logits or {}).items():
-            if not torch.isfinite(logits).all():
+            if not torch.isfinite(logits if torch.is_tensor(logits) else logits[0]).all():  # logits or hidden
                 return f"teacher {n}: its logits"
         out, skv = forward_with_kv(self.student, input_ids, attention_mask, segment_ids, key_space=self.key_space,
                                    queries=self.queries)
@@ -286,7 +287,8 @@ class KVDistillModel(nn.Module):
                       ) -> tuple[Tensor, Tensor, Tensor]:
         """`chunked_head_loss` over all B×T positions (t predicts labels[:, t + 1], the last one nothing), so
         no `[B, T, V]` tensor is copied: `(loss, CE sum, same-vocab KD sum)`. CE on `lm_labels`' targets, weighted
-        per record by `ce_w [B, 1]`; KD on every target of `labels`."""
+        per record by `ce_w [B, 1]`; KD on every target of `labels`, from each teacher's logits `[B, T, V]` or its
+        final hidden states and head (`TeacherHead`: its logits too are made a chunk at a time)."""
         w = self.weights
         shift = lambda x: F.pad(x[:, 1:], (0, 1), value=-100)  # noqa: E731  [B, T]: the target each position predicts
         valid = (shift(labels) != -100).float()  # [B, T]
@@ -294,7 +296,7 @@ class KVDistillModel(nn.Module):
         head = self.student.get_output_embeddings()
         return chunked_head_loss(
             final.flatten(0, 1), head.weight, head.bias, shift(lm_labels).flatten(),
-            [(t.flatten(0, 1), None, None) for t in same.values()], kd_w,
+            [(t, None, None) if torch.is_tensor(t) else t for t in map(_flat_head, same.values())], kd_w,
             ce_weights=ce_w.expand_as(valid).flatten(), kd_scale=w.logit_kd / n_kd, kind=w.logit_kd_kind, beta=w.beta,
             temperature=w.temperature, vocab_size=self.vocab_size, chunk_tokens=chunk,
         )
@@ -361,6 +363,17 @@ def target_counts(labels: Tensor, labelled: Tensor | None) -> Tensor:
         return torch.stack([kd, kd, kd])
     ce = (targets & labelled[:, None]).sum()
     return torch.stack([ce, kd, kd - ce])
+
+
+def full_logits(t: Tensor | TeacherHead) -> Tensor:
+    """A same-vocab teacher's logits `[B, T, V]`: as given, or its final hidden states through its head (a run
+    whose head losses are chunked, at a batch too small to chunk, or a student head FSDP flattened)."""
+    return t if torch.is_tensor(t) else F.linear(*t)
+
+
+def _flat_head(t: Tensor | TeacherHead) -> Tensor | TeacherHead:
+    """Logits `[B, T, V]` -> `[B·T, V]`; `(hidden [B, T, d], weight, bias)` -> `(hidden [B·T, d], weight, bias)`."""
+    return t.flatten(0, 1) if torch.is_tensor(t) else (t[0].flatten(0, 1), *t[1:])
 
 
 def _item(x) -> float:
