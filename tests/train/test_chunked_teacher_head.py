@@ -110,3 +110,21 @@ def test_teacher_cache_holds_final_hidden_states(base_args, tiny_world, tmp_path
     assert entries["qwen2_teacher"]["final_hidden"].shape[1] == 64 and "logits" not in entries["qwen2_teacher"]
     assert "logits" in entries["llama_teacher_alt_tok"]
     torch.testing.assert_close(_loss_and_grads(trainer, batch)[:2], first[:2])  # read back from the cache
+
+
+@pytest.mark.slow  # a 2-process launch (~40 s on 2 cores); the head path itself is tested in process above
+def test_two_process_ddp_with_teacher_heads_equals_one_process(base_args, tiny_world, launch, tmp_path):
+    """2 ranks × 2 records = 1 process × 4: the same logged losses with the teachers' heads chunked."""
+    out = tmp_path / "ddp"
+    r = launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no"], ["-m", "kvdistill.cli", "train", *_argv(base_args, tiny_world, tmp_path,
+                                                                                    output_dir=out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ddp = [row["loss"] for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
+    one = build_trainer(parse_config(_argv(base_args, tiny_world, tmp_path, output_dir=tmp_path / "one",
+                                           per_device_train_batch_size=4)))
+    assert all(t.head_hidden for t in one.teachers if t.name in SAME)
+    one.train()
+    ref = [h["loss"] for h in one.state.log_history if "loss" in h]
+    assert len(ddp) == len(ref) == 2
+    assert ddp == pytest.approx(ref, rel=1e-5)

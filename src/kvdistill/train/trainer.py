@@ -295,8 +295,10 @@ class KVDistillTrainer(Trainer):
 
     @torch.no_grad()
     def teacher_targets(self, inputs: dict, teacher_inputs: dict, token_fields: dict | None = None
-                        ) -> tuple[dict[str, KVCache], dict[str, Tensor]]:
-        """Every teacher's detached KV (and logits for logit KD) on this batch, controls applied.
+                        ) -> tuple[dict[str, KVCache], dict[str, Any]]:
+        """Every teacher's detached KV (and logits for logit KD: `[B, T, V]`, or a same-vocab teacher's final
+        hidden states and head when the run's head losses are chunked, `Teacher.head_hidden`) on this batch,
+        controls applied.
 
         - `teacher_control: shuffled`: every teacher reads another sample of the batch (one
           derangement per step, shared by the teachers); the time alignment handles the lengths.
