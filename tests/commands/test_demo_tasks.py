@@ -1,5 +1,6 @@
 """`kvdistill demo --task binding|modular`: a regime's assets from one command (issue 31)."""
 
+import importlib
 import json
 import re
 import shutil
@@ -7,6 +8,7 @@ import shutil
 import pytest
 import yaml
 
+from kvdistill.cli import COMMANDS
 from kvdistill.commands import demo
 from kvdistill.commands.demo import DemoConfig
 from kvdistill.commands.demo import main as demo_main
@@ -15,8 +17,27 @@ from kvdistill.config import ConfigError, parse_config
 SPLITS = ("teacher_pool", "train", "dev", "teacher_dev", "test", "other_task", "other_task_dev")
 
 
-@pytest.mark.slow
-def test_demo_modular_quick_end_to_end(tmp_path):
+def in_process(jobs: dict[str, list[list[str]]], workers: int, logs) -> None:
+    """`run_parallel` without child processes: each command's `main`, one after another (what a
+    `kvdistill` subprocess runs, less its ~5 s of imports)."""
+    for commands in jobs.values():
+        for argv in commands:
+            assert importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:]) == 0, argv
+
+
+@pytest.mark.parametrize("runner", [
+    "in_process",  # CI: the same stages and command lines, ~10 commands in process
+    pytest.param("subprocess", marks=[pytest.mark.slow, pytest.mark.extended]),  # as a user runs it (~60 s)
+])
+def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, runner):
+    calls: list[list[str]] = []
+    run = {"in_process": in_process, "subprocess": demo.run_parallel}[runner]
+
+    def record(jobs, workers, logs):
+        calls.extend(argv for commands in jobs.values() for argv in commands)
+        run(jobs, workers, logs)
+
+    monkeypatch.setattr(demo, "run_parallel", record)
     out = tmp_path / "demo"
     assert demo_main(["--task", "modular", "--quick", "--output_dir", str(out)]) == 0
     assert all((out / "data" / f"{s}.jsonl").read_text() for s in SPLITS)
@@ -43,12 +64,32 @@ def test_demo_modular_quick_end_to_end(tmp_path):
     curve = json.loads((out / "sft_curve.json").read_text())
     assert curve["budget"] in [s for s, _ in curve["points"]] and curve["labelled"] == 42  # 0.35 of 11 x 11
     assert f"max_steps: {curve['budget']}" in report and f"student: {out / 'init' / 'student'}" in report
-    # a second run reuses everything; a gate the teachers miss stops it naming the teacher and its split
+    # the command lines: each teacher on its split, gated on its held-out one, probed on dev; the curve's settings
+    argvs = {(argv[0], argv[argv.index("--output_dir") + 1]): argv for argv in calls}
+    assert len(calls) == len(argvs) == 10  # 3 teachers, their gate evals and probes, the SFT curve
+
+    def values(command: str, output_dir, *flags: str) -> tuple[str, ...]:
+        argv = argvs[command, str(output_dir)]
+        return tuple(argv[argv.index(flag) + 1] for flag in flags)
+
+    for name, gate_split in (("teacher_qwen2", "teacher_dev"), ("teacher_llama", "teacher_dev"),
+                             ("teacher_other", "other_task_dev")):
+        assert values("train", out / "teachers" / name, "--data_split", "--max_steps", "--student") == (
+            models[name]["data"], "4", str(out / "init" / name))
+        assert values("eval", out / f"eval_{gate_split}" / name, "--split", "--limit") == (gate_split, "12")
+        assert values("probe", out / "probe" / name, "--model", "--split", "--target", "--rows", "--samples") == (
+            str(out / "teachers" / name), "dev", "field:number", "field:numeral", "12")
+        assert "--untrained" in argvs["probe", str(out / "probe" / name)]
+    assert values("train", out / "runs" / "sft_curve", "--data_split", "--max_steps", "--accuracy_eval_steps",
+                  "--accuracy_eval_limit") == ("train", "4", "2", "8")
+    # a second run reuses everything (no command runs); a gate the teachers miss stops it naming the teacher
+    # and its split
+    calls.clear()
     mtime = (out / "teachers" / "teacher_other" / "model.safetensors").stat().st_mtime_ns
     probed = (out / "probe" / "teacher_other" / "probe.json").stat().st_mtime_ns
     assert demo_main(["--task", "modular", "--quick", "--output_dir", str(out)]) == 0
     assert (out / "teachers" / "teacher_other" / "model.safetensors").stat().st_mtime_ns == mtime
-    assert (out / "probe" / "teacher_other" / "probe.json").stat().st_mtime_ns == probed
+    assert (out / "probe" / "teacher_other" / "probe.json").stat().st_mtime_ns == probed and calls == []
     with pytest.raises(SystemExit, match=r"quality gate: teacher teacher_qwen2 reached .* on teacher_dev, .* below "
                                          r"the 0.99 gate"):
         demo_main(["--task", "modular", "--quick", "--output_dir", str(out), "--gate", "0.99"])
