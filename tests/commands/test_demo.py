@@ -2,6 +2,8 @@
 
 import json
 import re
+import shutil
+import subprocess
 
 import pytest
 import yaml
@@ -33,10 +35,21 @@ def test_run_parallel_chains_a_jobs_commands_and_stops_at_a_failure(tmp_path):
     assert not (tmp_path / "c2").exists()
 
 
-@pytest.mark.slow
-def test_demo_quick_end_to_end(tmp_path):
-    out = tmp_path / "demo"
+@pytest.fixture(scope="module")
+def demo_out(tmp_path_factory):
+    """One quick demo's output, shared by the tests below (the run is ~16 child processes)."""
+    out = tmp_path_factory.mktemp("demo") / "demo"
     assert demo_main(["--quick", "--output_dir", str(out), "--workers", "2"]) == 0
+    return out
+
+
+def refuse_child_process(*args, **kwargs):
+    raise AssertionError(f"a child process started: {args}")
+
+
+@pytest.mark.slow
+def test_demo_quick_end_to_end(demo_out, monkeypatch):
+    out = demo_out
     report = (out / "report.md").read_text()
     for png in ("accuracy.png", "sft_curve.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
@@ -72,29 +85,59 @@ def test_demo_quick_end_to_end(tmp_path):
         row = next(line for line in report.splitlines() if line.startswith(f"| {name} |"))
         assert re.search(rf"\| {s['accuracy']:.3f} \|", row), (row, s["accuracy"])
         assert s["n"] == 60
-    # the same command and seed on this machine give the same bytes: rerun from scratch elsewhere
-    again = tmp_path / "demo_again"
-    assert demo_main(["--quick", "--output_dir", str(again), "--workers", "2"]) == 0
-    assert (again / "report.md").read_text() == report.replace(str(out), str(again))
-    models = sorted(p.relative_to(out) for p in out.glob("*/*/model.safetensors"))
-    assert len(models) == 9  # random inits (3), trained teachers (2), SFT curve, 3 students
-    for rel in models + sorted(p.relative_to(out) for p in out.glob("eval/*/items.jsonl")):
-        assert (out / rel).read_bytes() == (again / rel).read_bytes(), rel
-    # a second run reuses everything (teachers cached)
+    # a second run reuses everything (teachers cached): no child process
     mtime = (out / "teachers" / "teacher_qwen2" / "model.safetensors").stat().st_mtime
-    assert demo_main(["--quick", "--output_dir", str(out)]) == 0
+    with monkeypatch.context() as m:
+        m.setattr(subprocess, "Popen", refuse_child_process)
+        assert demo_main(["--quick", "--output_dir", str(out)]) == 0
     assert (out / "teachers" / "teacher_qwen2" / "model.safetensors").stat().st_mtime == mtime
     # ... but not a student trained with other settings than the demo's (a config changed since)
     saved = out / "runs" / "student_kv" / "kvdistill_config.yaml"
-    saved.write_text(yaml.safe_dump({**yaml.safe_load(saved.read_text()), "kv_weight": 0.5}))
-    with pytest.raises(ConfigError, match=r"student_kv was trained with other settings \(kv_weight differ\) than this demo asks; delete"):
-        demo_main(["--quick", "--output_dir", str(out)])
+    text = saved.read_text()
+    saved.write_text(yaml.safe_dump({**yaml.safe_load(text), "kv_weight": 0.5}))
+    try:
+        with pytest.raises(ConfigError, match=r"student_kv was trained with other settings \(kv_weight differ\) than this demo asks; delete"):
+            demo_main(["--quick", "--output_dir", str(out)])
+    finally:
+        saved.write_text(text)  # the other tests read this output
 
 
-def test_quality_gate_names_the_teacher(tmp_path):
-    out = tmp_path / "demo"
-    with pytest.raises(SystemExit, match=r"quality gate: teacher teacher_qwen2 reached .* below the 0.99 gate"):
-        demo_main(["--quick", "--output_dir", str(out), "--gate", "0.99"])
+@pytest.mark.slow
+def test_quality_gate_names_the_teacher(demo_out, monkeypatch):
+    # the gate reads the teachers' dev evaluations the demo made: no child process
+    monkeypatch.setattr(subprocess, "Popen", refuse_child_process)
+    with pytest.raises(SystemExit, match=r"^quality gate: teacher teacher_qwen2 reached [0-9.]+ on dev, [0-9.]+ below "
+                                         r"the 0.99 gate; train it longer \(delete .* lower --gate$"):
+        demo_main(["--quick", "--output_dir", str(demo_out), "--gate", "0.99"])
+
+
+STUDENT_KV = ("report.md", "runs/student_kv/model.safetensors", "eval/student_kv/items.jsonl")
+
+
+@pytest.mark.slow
+def test_a_rerun_of_the_kv_student_gives_the_same_bytes(demo_out):
+    """The same command and seed on this machine give the same bytes: the KV student (its capture,
+    training and test evaluation, 3 child processes) made again in the same output dir."""
+    before = {rel: (demo_out / rel).read_bytes() for rel in STUDENT_KV}
+    for rel in ("runs/student_kv", "captures/student_kv", "eval/student_kv"):
+        shutil.rmtree(demo_out / rel)
+    (demo_out / "report.md").unlink()
+    assert demo_main(["--quick", "--output_dir", str(demo_out), "--workers", "2"]) == 0
+    for rel in STUDENT_KV:
+        assert (demo_out / rel).read_bytes() == before[rel], rel
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_fresh_rerun_gives_the_same_bytes(demo_out, tmp_path):
+    """Every model and evaluation of the demo made again from scratch elsewhere (~16 child processes)."""
+    again = tmp_path / "demo_again"
+    assert demo_main(["--quick", "--output_dir", str(again), "--workers", "2"]) == 0
+    assert (again / "report.md").read_text() == (demo_out / "report.md").read_text().replace(str(demo_out), str(again))
+    models = sorted(p.relative_to(demo_out) for p in demo_out.glob("*/*/model.safetensors"))
+    assert len(models) == 9  # random inits (3), trained teachers (2), SFT curve, 3 students
+    for rel in models + sorted(p.relative_to(demo_out) for p in demo_out.glob("eval/*/items.jsonl")):
+        assert (demo_out / rel).read_bytes() == (again / rel).read_bytes(), rel
 
 
 def test_progress_line_reads_a_trainings_steps_and_extrapolates_its_eta(tmp_path):
