@@ -62,7 +62,9 @@ def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, runner):
     config = yaml.safe_load((out / "runs" / "sft_curve" / "kvdistill_config.yaml").read_text())
     assert config["data_split"] == "train" and config["accuracy_eval_split"] == "dev"
     curve = json.loads((out / "sft_curve.json").read_text())
-    assert curve["budget"] in [s for s, _ in curve["points"]] and curve["labelled"] == 42  # 0.35 of 11 x 11
+    repeats = demo.Regime.load("modular", quick=True).settings.data.get("repeats", 1)
+    assert curve["budget"] in [s for s, _ in curve["points"]]
+    assert curve["labelled"] == 42 * repeats  # 0.35 of 11 x 11 pairs, each asked `repeats` times
     assert f"max_steps: {curve['budget']}" in report and f"student: {out / 'init' / 'student'}" in report
     # the command lines: each teacher on its split, gated on its held-out one, probed on dev; the curve's settings
     argvs = {(argv[0], argv[argv.index("--output_dir") + 1]): argv for argv in calls}
