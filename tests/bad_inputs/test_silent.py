@@ -83,3 +83,19 @@ def test_options_that_cannot_act_are_named(argv, expect, children, request):
     for parts in expect:
         parts = [p.format(data=ctx.world.data) for p in parts]
         assert any(all(p in line for p in parts) for line in err.splitlines()), parts
+
+
+@pytest.mark.parametrize("signal, lm_weight, warned", [(False, 0.0, True), (False, 0.5, False), (True, 0.0, False)])
+def test_transfer_data_is_named_unread_only_without_a_teacher_signal_and_its_lm_loss(signal, lm_weight, warned, caplog):
+    """build.py reads the transfer set when a teacher signal is on or transfer_lm_weight > 0 (sequence-level
+    KD: the LM loss on teacher completions): only with neither is it named unread."""
+    import logging
+    from types import SimpleNamespace
+
+    from kvdistill.train.config import KVDistillConfig
+
+    cfg = SimpleNamespace(teacher_configs=[], transfer_data="gen.jsonl", teacher_signal=signal,
+                          transfer_lm_weight=lm_weight)
+    with caplog.at_level(logging.WARNING, logger="kvdistill.train.config"):
+        KVDistillConfig._check_options_act(cfg)
+    assert any("transfer_data gen.jsonl is not read" in r.getMessage() for r in caplog.records) == warned

@@ -535,9 +535,11 @@ class KVDistillConfig(TrainingArguments):
             if t.layer_map and self.layer_map != "cka" and self.kv_weight > 0:
                 logger.warning("teacher %s: its layer_map JSON is not read: layer_map is %s (set layer_map: cka to "
                                "use it)", t.name, self.layer_map)
-        if self.transfer_data and not self.teacher_signal:
+        # build.py reads the transfer set for a teacher signal or for its LM loss (sequence-level KD)
+        if self.transfer_data and not self.teacher_signal and not self.transfer_lm_weight > 0:
             logger.warning("transfer_data %s is not read: this run has no teacher signal (kv_weight, codi_weight, "
-                           "logit_kd_weight all 0), and transfer records teach only through teachers", self.transfer_data)
+                           "logit_kd_weight all 0) and transfer_lm_weight is 0, and transfer records teach only "
+                           "through teachers or their LM loss", self.transfer_data)
 
     def _check_layer_map_counts(self, t: TeacherConfig) -> None:
         """Compare a layer map's layer counts with the models' configs (config.json only, no weights)."""
