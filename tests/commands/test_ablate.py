@@ -248,6 +248,21 @@ def test_failed_capture_fails_only_the_runs_that_read_it(tmp_path, monkeypatch):
     assert len(fake.trained) == 4 and not any("/kv/" in r for r in fake.evaluated)
 
 
+def test_on_policy_variants_get_no_capture(tmp_path):
+    """lmbda > 0 and seq_kd runs teach on text generated while training: they read live teachers, so
+    `capture: true` hands them no capture (their config would refuse one); off-policy KD keeps its capture."""
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0,
+                                          "logit_kd_weight": 1.0})
+    abl = _write_yaml(tmp_path / "a.yaml", {
+        "base_config": "train.yaml", "output_dir": str(tmp_path / "o"), "seeds": [0], "capture": True,
+        "variants": [{"name": "off", "overrides": {}}, {"name": "gkd", "overrides": {"lmbda": 0.5}},
+                     {"name": "seqkd", "overrides": {"seq_kd": True}}],
+    })
+    cfg = load_ablation_config(abl)
+    dirs = {v.name: ablate.capture_dir_for(cfg, v, ablate.train_config_for(cfg, v, 0)) for v in cfg.variants}
+    assert dirs == {"off": tmp_path / "o" / "captures" / "off", "gkd": None, "seqkd": None}
+
+
 def test_config_errors(tmp_path):
     _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
     with pytest.raises(ConfigError, match="unknown key 'sedes'; did you mean 'seeds'"):
