@@ -286,6 +286,44 @@ def test_kv_gradient_reaches_student_and_aligner_not_teachers(two_teachers):
     model.zero_grad()
 
 
+class _ZeroTakingTheCEBranch(float):
+    """ce_weight 0 that passes `w.ce > 0`: the previous path, the CE computed and multiplied by 0."""
+
+    def __gt__(self, other):
+        return True
+
+
+def test_zero_ce_weight_builds_no_ce_graph_and_keeps_loss_and_gradients(two_teachers, monkeypatch):
+    trainer, model = two_teachers, two_teachers.distill_model
+    batch = trainer.data_collator(_uneven_halves(trainer)[0])
+    import kvdistill.train.model as model_module
+
+    grad_calls = []
+
+    def counting_ce(logits, labels):
+        grad_calls.append(torch.is_grad_enabled())
+        return token_ce_sum(logits, labels)
+
+    monkeypatch.setattr(model_module, "token_ce_sum", counting_ce)
+    saved, results = model.weights, {}
+    try:
+        for name, ce in (("now", 0.0), ("before", _ZeroTakingTheCEBranch(0.0))):
+            model.weights = LossWeights(ce=ce, chunk_tokens=0)  # unchunked: the model's [B, T, V] logits
+            grad_calls.clear()
+            model.zero_grad()
+            out = _call(trainer, batch)
+            out["loss"].backward()
+            results[name] = out, _grads(model), list(grad_calls)
+    finally:
+        model.weights = saved
+        model.zero_grad()
+    (now, g_now, calls_now), (before, g_before, calls_before) = results["now"], results["before"]
+    assert calls_now == [False] and calls_before == [True]  # logged under no_grad only: no CE in the graph
+    assert torch.equal(now["loss"], before["loss"]) and float(now["metrics"]["kv_loss"]) > 0
+    assert torch.equal(now["metrics"]["ce"], before["metrics"]["ce"])  # the logged CE is unchanged
+    assert g_now.keys() == g_before.keys() and all(torch.equal(g_now[k], g_before[k]) for k in g_now)
+
+
 # ------------------------------------------------------------------ (d)-(h) options end to end
 
 

@@ -170,11 +170,15 @@ class KVDistillModel(nn.Module):
             lm_labels = labels if w.transfer_lm > 0 else ce_labels
             loss, ce_sum, kd_same = self._chunked_head(final, labels, lm_labels, ce_w, same, sample_w, names, n_kd,
                                                        chunk)
-        else:
+        elif w.ce > 0:
             ce_sum = token_ce_sum(out.logits, ce_labels)
             loss = w.ce * ce_sum / n_ce
-            if w.transfer_lm > 0:
-                loss = loss + w.transfer_lm * token_ce_sum(out.logits, tr_labels) / n_tr
+        else:  # CE only logged: no fp32 [B, T, V] log-probs kept for a backward that would scale them by 0
+            with torch.no_grad():
+                ce_sum = token_ce_sum(out.logits, ce_labels)
+            loss = out.logits.sum() * 0.0  # [] zero in the graph: a step with no other term yet still backpropagates
+        if not chunk and w.transfer_lm > 0:
+            loss = loss + w.transfer_lm * token_ce_sum(out.logits, tr_labels) / n_tr
         # chunked with transfer_lm > 0: the logged CE also holds the transfer records' tokens
         metrics: dict[str, Tensor | float] = {"ce": (ce_sum / n_ce_local.clamp(min=1)).detach()}
         if need_kv:
