@@ -567,6 +567,31 @@ def test_preregistration_is_written_before_the_first_run_and_fixed_once_runs_exi
     assert f"config hash `{first['config_hash']}`" in (tmp_path / "out" / "ablation.md").read_text()
 
 
+def test_a_variants_subset_runs_under_the_yamls_full_preregistration(tmp_path):
+    """`--variants` / `--seeds` pick runs of the YAML's design: the primary arms first, then the full list or
+    another subset (a YAML variant picked by its name) run under the same pre-registration; a changed YAML is
+    refused."""
+    primary = {"comparison": ["kv", "baseline"], "test": "welch"}
+    abl = _curve_ablation(tmp_path, hypothesis="KV helps", primary=primary)
+    record = tmp_path / "out" / "preregistration.json"
+    fake = CurveRuns({"baseline": 0.3, "kv": 0.7, "same": 0.3})
+    run = dict(train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    report = run_ablation(load_ablation_config(abl, variants="kv,baseline", seeds="0,1"), **run)
+    assert sorted({Path(r).parent.name for r in fake.trained}) == ["baseline", "kv"] and len(fake.trained) == 4
+    first = json.loads(record.read_text())
+    assert [v["name"] for v in first["config"]["variants"]] == ["baseline", "kv", "same"]
+    assert first["config"]["seeds"] == [0, 1, 2, 3, 4] and first["config"]["baseline"] == "baseline"
+    assert report["primary"]["spec"]["comparison"] == ["kv", "baseline"]
+    run_ablation(load_ablation_config(abl, variants="same"), **run)  # another subset, without the primary arms
+    report = run_ablation(load_ablation_config(abl), **run)  # the full list
+    assert len(fake.trained) == 15 and json.loads(record.read_text()) == first
+    assert report["preregistration"]["registered"] == first["registered"] and report["primary"]["verdict"]
+    changed = _curve_ablation(tmp_path, hypothesis="KV helps", primary=primary, overrides={"max_steps": 20})
+    with pytest.raises(ConfigError, match="holds runs pre-registered under another config hash"):
+        run_ablation(load_ablation_config(changed, variants="kv,baseline"), **run)
+    assert json.loads(record.read_text()) == first
+
+
 def test_a_hypothesis_named_after_the_runs_is_refused_and_none_is_never_refused(tmp_path):
     fake = CurveRuns({"baseline": 0.3, "kv": 0.7, "same": 0.3})
     run = dict(train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)

@@ -34,7 +34,9 @@ with few seeds the item-level test alone overstates certainty, so both are repor
 (`kvdistill.evaluate.comparisons`): Welch and Mann–Whitney over seeds, TOST within ±`margin`, the
 answer NLL's tests, and log-rank / Mann–Whitney for steps to `threshold`. `hypothesis` and
 `primary` are written with a config hash to `preregistration.json` before the first run
-(`kvdistill.evaluate.prereg`); the report opens with the primary result in words.
+(`kvdistill.evaluate.prereg`); the report opens with the primary result in words. The hash covers
+the YAML's full design, so `--variants a,b` (a YAML variant by its name) and `--seeds` run part of
+it first and the rest later under the same record.
 """
 
 from __future__ import annotations
@@ -318,15 +320,24 @@ class AblationConfig:
     def __post_init__(self) -> None:
         if self.list_variants:
             return
-        self.seeds = [int(s) for s in (self.seeds.split(",") if isinstance(self.seeds, str) else self.seeds)]
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise AblationError(f"seeds must be a non-empty list of distinct ints, got {self.seeds}")
+        self.seeds = _seeds(self.seeds)
         spec = to_plain(self.variants)
         if isinstance(spec, str):
             spec = [v.strip() for v in spec.split(",") if v.strip()]
-        self.variants = resolve_variants(spec)
+        # the YAML's full design, which the pre-registration records: --variants / --seeds on the command line
+        # pick runs of it (a name of a YAML variant picks that variant); what they add outside it joins it
+        doc = read_yaml(self.config_file, "config") if self.config_file else None
+        default = {f.name: f.default_factory() for f in fields(self) if f.name in ("variants", "seeds")}
+        design = {v.name: v for v in resolve_variants(to_plain(doc.get("variants", default["variants"])))
+                  } if doc is not None else {}
+        self.variants = _pick_variants(spec, design)
+        self.design_variants = list({**design, **{v.name: v for v in self.variants}}.values())
+        design_seeds = _seeds(to_plain(doc.get("seeds", default["seeds"]))) if doc is not None else []
+        self.design_seeds = design_seeds + [s for s in self.seeds if s not in design_seeds]
         self.overrides, self.eval = to_plain(self.overrides) or {}, to_plain(self.eval) or {}
         names = [v.name for v in self.variants]
+        design_names = [v.name for v in self.design_variants]
+        self.design_baseline = self.baseline or ("baseline" if "baseline" in design_names else design_names[0])
         if self.baseline is None:
             self.baseline = "baseline" if "baseline" in names else names[0]
         if self.baseline not in names:
@@ -341,7 +352,7 @@ class AblationConfig:
         if self.margin is not None and not 0 < self.margin < 1:
             raise AblationError(f"margin is an accuracy difference in (0, 1), got {self.margin}")
         try:
-            self.primary = parse_primary(to_plain(self.primary), names, self.threshold)
+            self.primary = parse_primary(to_plain(self.primary), design_names, self.threshold)
         except ConfigError as err:
             raise AblationError(str(err)) from None
         eval_keys = {f.name for f in fields(EvalConfig)} - {"model", "output_dir", "no_progress", "stop",
@@ -372,6 +383,24 @@ class AblationConfig:
         names = {x.name for x in self.variants}
         ref = v.reference or self.baseline
         return [r for r in [ref, *v.controls] if r in names and r != v.name]
+
+
+def _seeds(value: str | list) -> list[int]:
+    seeds = [int(s) for s in (value.split(",") if isinstance(value, str) else value)]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise AblationError(f"seeds must be a non-empty list of distinct ints, got {seeds}")
+    return seeds
+
+
+def _pick_variants(spec: Any, design: Mapping[str, Variant]) -> list[Variant]:
+    """`resolve_variants(spec)`, where a name of a variant of the YAML's design (`{name: Variant}`) picks it."""
+    if not isinstance(spec, list):
+        return resolve_variants(spec)
+    out: dict[str, Variant] = {}
+    for entry in spec:
+        for v in [design[entry]] if isinstance(entry, str) and entry in design else resolve_variants([entry]):
+            out.setdefault(v.name, v)
+    return list(out.values())
 
 
 def load_ablation_config(path: str | Path, **overrides: Any) -> AblationConfig:
@@ -676,13 +705,15 @@ def run_ablation(
 
 def preregistration(cfg: AblationConfig) -> dict[str, Any]:
     """The pre-registration record of `cfg`: hypothesis, primary and the hash of what defines the runs and
-    the analysis (the base config's content, every variant's settings, seeds, eval, threshold, margin)."""
+    the analysis (the base config's content, every variant's settings, seeds, eval, threshold, margin).
+    Variants, seeds and baseline are the YAML's full design, so runs of a `--variants` / `--seeds` subset
+    of it, then of the rest, are one pre-registered ablation."""
     definition = {
         "base_config": read_yaml(cfg.base_config, "base_config"),
         "overrides": cfg.overrides,
         "variants": [{"name": v.name, "overrides": v.overrides, "reference": v.reference, "controls": v.controls}
-                     for v in cfg.variants],
-        "seeds": cfg.seeds, "baseline": cfg.baseline, "eval": cfg.eval,
+                     for v in cfg.design_variants],
+        "seeds": cfg.design_seeds, "baseline": cfg.design_baseline, "eval": cfg.eval,
         "threshold": cfg.threshold, "margin": cfg.margin,
     }
     return make_record(cfg.hypothesis, cfg.primary, definition)
@@ -809,7 +840,7 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
             row["vs_baseline"] = row["comparisons"][row["reference"]]
         variants[v.name] = row
     primary, p = None, cfg.primary
-    if p and runs[p.a] and runs[p.b]:
+    if p and runs.get(p.a) and runs.get(p.b):  # a --variants subset may leave out a primary arm
         key = "steps" if p.metric == "steps_to_threshold" else p.metric
         result = run_test(p.metric, p.test, _values(runs[p.a], key), _values(runs[p.b], key), margin=p.margin,
                           alpha=p.alpha, paired=p.paired)
