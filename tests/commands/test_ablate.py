@@ -592,6 +592,13 @@ def test_a_variants_subset_runs_under_the_yamls_full_preregistration(tmp_path):
     assert json.loads(record.read_text()) == first
 
 
+def test_a_one_seed_comparison_beats_nothing():
+    """One seed has no paired t p-value (None): the report says "no", it does not crash (a partial sweep)."""
+    cmp_ = {"delta_accuracy": 0.08, "ttest": {"p_value": None}, "permutation_p": 0.001}
+    assert not ablate._beats(cmp_) and not ablate._beats(None)
+    assert ablate._beats({**cmp_, "ttest": {"p_value": 0.01}})
+
+
 def test_a_hypothesis_named_after_the_runs_is_refused_and_none_is_never_refused(tmp_path):
     fake = CurveRuns({"baseline": 0.3, "kv": 0.7, "same": 0.3})
     run = dict(train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)

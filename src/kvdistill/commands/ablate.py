@@ -890,9 +890,11 @@ def _cmp_cells(cmp_: Mapping[str, Any]) -> list[str]:
 
 
 def _beats(cmp_: Mapping[str, Any] | None, alpha: float = 0.05) -> bool:
-    """Higher accuracy at paired p < alpha on both the seed-level and the item-level test."""
-    return bool(cmp_) and cmp_["delta_accuracy"] > 0 and cmp_["ttest"]["p_value"] < alpha and (
-        cmp_["permutation_p"] < alpha)
+    """Higher accuracy at paired p < alpha on both the seed-level and the item-level test (a test with no
+    p-value, e.g. the t-test of one seed, shows nothing)."""
+    if not cmp_ or cmp_["ttest"]["p_value"] is None or cmp_["permutation_p"] is None:
+        return False
+    return cmp_["delta_accuracy"] > 0 and cmp_["ttest"]["p_value"] < alpha and cmp_["permutation_p"] < alpha
 
 
 def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None = None) -> str:
