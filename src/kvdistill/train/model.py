@@ -300,7 +300,7 @@ class KVDistillModel(nn.Module):
         head = self.student.get_output_embeddings()
         return chunked_head_loss(
             final.flatten(0, 1), head.weight, head.bias, shift(lm_labels).flatten(),
-            [(t, None, None) if torch.is_tensor(t) else t for t in map(_flat_head, same.values())], kd_w,
+            [_flat_head(t) for t in same.values()], kd_w,
             ce_weights=ce_w.expand_as(valid).flatten(), kd_scale=w.logit_kd / n_kd, kind=w.logit_kd_kind, beta=w.beta,
             temperature=w.temperature, vocab_size=self.vocab_size, chunk_tokens=chunk,
         )
@@ -375,9 +375,10 @@ def full_logits(t: Tensor | TeacherHead) -> Tensor:
     return t if torch.is_tensor(t) else F.linear(*t)
 
 
-def _flat_head(t: Tensor | TeacherHead) -> Tensor | TeacherHead:
-    """Logits `[B, T, V]` -> `[B·T, V]`; `(hidden [B, T, d], weight, bias)` -> `(hidden [B·T, d], weight, bias)`."""
-    return t.flatten(0, 1) if torch.is_tensor(t) else (t[0].flatten(0, 1), *t[1:])
+def _flat_head(t: Tensor | TeacherHead) -> TeacherHead:
+    """A teacher as `chunked_head_loss` takes it: logits `[B, T, V]` -> `([B·T, V], None, None)`;
+    `(hidden [B, T, d], weight, bias)` -> `(hidden [B·T, d], weight, bias)`."""
+    return (t.flatten(0, 1), None, None) if torch.is_tensor(t) else (t[0].flatten(0, 1), *t[1:])
 
 
 def _item(x) -> float:
