@@ -36,7 +36,6 @@ transfer set), and `report.md` with the assets `configs/demo/evidence_<task>.yam
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -47,11 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvdistill import regimes
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config, read_yaml
-from kvdistill.data import format_example
 from kvdistill.evaluate.comparisons import accuracy_curve
 from kvdistill.io import REPO_ROOT, read_json, read_jsonl, write_json_atomic, write_text_atomic
 from kvdistill.report import format_environment
@@ -72,16 +68,7 @@ from kvdistill.train.config import parse_config as parse_train_config
 CONFIG_DIR = REPO_ROOT / "configs" / "demo"
 TASKS = ("arithmetic", *regimes.SPLIT_MAKERS)
 TASK = {"min_steps": 2, "max_steps": 2, "max_value": 20, "ops": ("add", "sub")}
-# name -> (model type, tokenizer, sizes). The teachers differ from the student on L, H_kv, D and
-# (teacher_llama) the tokenizer; they know more because they learn from the whole pool.
-ARCHS = {
-    "teacher_qwen2": ("qwen2", "bpe", dict(hidden_size=96, intermediate_size=192, num_hidden_layers=3,
-                                           num_attention_heads=4, num_key_value_heads=2)),   # L3, 2 x 24
-    "teacher_llama": ("llama", "bpe_numbers", dict(hidden_size=96, intermediate_size=192, num_hidden_layers=4,
-                                                   num_attention_heads=4, num_key_value_heads=4)),  # L4, 4 x 24
-    "student": ("qwen2", "bpe", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=2, num_key_value_heads=1)),      # L2, 1 x 32
-}
+MODELS = CONFIG_DIR / "models.json"  # tokenizers and shapes: the teachers differ from the student on L, H_kv, D, tokenizer
 TEACHERS = ("teacher_qwen2", "teacher_llama")
 TRANSFER_TEACHER = "teacher_qwen2"  # answers the transfer questions (the best teacher on dev)
 SPLITS = ("teacher_pool", "train", "transfer_questions", "dev", "test")
@@ -235,26 +222,6 @@ def prepare_data(data: Path, sizes: Sizes, seed: int) -> None:
     write_jsonl(held[sizes.dev :], data / "test.jsonl")
 
 
-def build_models(out: Path, data: Path, seed: int = 0) -> dict[str, Path]:
-    """Two BPE tokenizers (digits split; whole numbers) and random-init models of three shapes, saved."""
-    from transformers import AutoConfig
-
-    from kvdistill.models import build_tokenizer, save_random_model
-
-    paths = {name: out / "init" / name for name in ARCHS}
-    if all((p / "config.json").exists() for p in paths.values()):
-        return paths
-    texts = [format_example(json.loads(x)).text for x in (data / "teacher_pool.jsonl").read_text().splitlines()[:4000]]
-    toks = {"bpe": build_tokenizer(texts, vocab_size=384, split_digits=True),
-            "bpe_numbers": build_tokenizer(texts, vocab_size=1000)}
-    for i, (name, (model_type, tok, sizes)) in enumerate(ARCHS.items()):
-        cfg = AutoConfig.for_model(model_type, vocab_size=len(toks[tok]), max_position_embeddings=512,
-                                   tie_word_embeddings=True, **sizes)
-        torch.manual_seed(seed + i)
-        save_random_model(cfg, toks[tok], paths[name])
-    return paths
-
-
 def _trained(path: Path, argv: list[str], stale: Path) -> bool:
     """A finished training in `path`, made with the settings `argv` (a `kvdistill train` command line)
     asks. One made otherwise (a config changed since) stops the demo, naming what to delete: `stale`,
@@ -379,8 +346,8 @@ def run_demo(out: Path, quick: bool = False, seed: int = 0, workers: int = 2, ga
     data = out / "data"
     _log(f"[1/7] data: pool {sizes.pool}, labelled {sizes.labelled}, dev {sizes.dev}, test {sizes.test} -> {data}")
     prepare_data(data, sizes, seed)
-    _log("[2/7] tokenizers and random-init models")
-    init = build_models(out, data, seed)
+    _log(f"[2/7] tokenizers and random-init models of {MODELS.relative_to(REPO_ROOT)} -> {out / 'init'}")
+    init = regimes.build_models(MODELS, data, out / "init", seed)
 
     teachers = {name: out / "teachers" / name for name in TEACHERS}
     _log(f"[3/7] teachers on the pool ({sizes.teacher_steps} steps each), quality gate {gate:.2f} on dev")
