@@ -11,7 +11,9 @@ the head), four variants:
 - kd unchunked: CE + forward-KL logit KD from one teacher of the same head shapes (its hidden states
   and head given, so its logits are made inside the loss: one matmul more than CE, in both KD
   variants), on full logits (`token_ce_sum` + `logit_kd_sum`): the path without chunking;
-- kd chunked: the same loss through `chunked_head_loss` (`AUTO_CHUNK_TOKENS` tokens per chunk).
+- kd chunked: the same loss through `chunked_head_loss` (`AUTO_CHUNK_TOKENS` tokens per chunk);
+- kd chunked, teacher logits: the same, from the teacher's logits `[N, V]` given (a teacher cache or a
+  capture of logits: its head's matmul done elsewhere; the logits are an input, not counted).
 
 Memory: each variant runs in fresh processes (`--measure VARIANT`), so no earlier variant's
 high-water mark or allocator cache counts: `peak_mib`, the peak bytes torch allocates during the
@@ -28,6 +30,12 @@ Headline `mem_over_ce` = kd chunked / ce chunked peak extra memory, and `time_ov
 what logit KD adds to a trainer that already avoids materialising the logits. The ratios against
 plain CE (`mem_over_ce_plain`, `time_over_ce_plain`) are reported beside them; plain CE's memory is
 dominated by its own N×V logits, so against it chunked KD looks cheaper than it is.
+
+Floors, computed from the shapes beside the measured ratios: `time_floor_over_ce` = the head matmuls of
+kd chunked over ce chunked's (CE: logits, grad_hidden, grad_weight = 3; KD adds the teacher's logits
+= 4/3 for the matmuls alone, 1 with the teacher's logits given); `mem_floor_over_ce` = (gradients +
+two chunk buffers) / (gradients + one): CE makes its gradient in its logits' buffer, KD holds the
+teachers' (summed) distribution beside it. Both floors are above the 1.3 target at this chunk size.
 
 `--quick`: N 256, d 64, V 8,192, chunk 64, one repeat (a smoke test, not a measurement).
 
@@ -55,21 +63,26 @@ from kvdistill.malloc import keep_freed_memory
 
 FULL = {"tokens": 2048, "hidden": 896, "vocab": 151_936, "chunk": AUTO_CHUNK_TOKENS}  # Qwen2.5-0.5B's head
 QUICK = {"tokens": 256, "hidden": 64, "vocab": 8192, "chunk": 64}
-VARIANTS = ("ce plain", "ce chunked", "kd unchunked", "kd chunked")
+VARIANTS = ("ce plain", "ce chunked", "kd unchunked", "kd chunked", "kd chunked, teacher logits")
+MATMULS = {"ce plain": 3, "ce chunked": 3, "kd unchunked": 4, "kd chunked": 4, "kd chunked, teacher logits": 3}
 TARGET = 1.3
 
 
-def make_inputs(shape: dict[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
-    """Student hidden `[N+1, d]` + head `[V, d]` (with gradients), a teacher's hidden + head, labels `[N+1]`."""
+def make_inputs(shape: dict[str, int], seed: int = 0, t_logits: bool = False) -> dict[str, torch.Tensor]:
+    """Student hidden `[N+1, d]` + head `[V, d]` (with gradients), a teacher's hidden + head, labels `[N+1]`;
+    with `t_logits`, the teacher's logits `[N+1, V]` too."""
     g = torch.Generator().manual_seed(seed)
     n, d, v = shape["tokens"] + 1, shape["hidden"], shape["vocab"]  # n positions predict n-1 = N targets
-    return {
+    x = {
         "hidden": torch.randn(n, d, generator=g).requires_grad_(),
         "weight": (torch.randn(v, d, generator=g) * d**-0.5).requires_grad_(),
         "t_hidden": torch.randn(n, d, generator=g),
         "t_weight": torch.randn(v, d, generator=g) * d**-0.5,
         "labels": torch.randint(0, v, (n,), generator=g),
     }
+    if t_logits:
+        x["t_logits"] = F.linear(x["t_hidden"], x["t_weight"])  # [N+1, V]
+    return x
 
 
 def step_fn(variant: str, x: dict[str, torch.Tensor], chunk: int):
@@ -86,7 +99,8 @@ def step_fn(variant: str, x: dict[str, torch.Tensor], chunk: int):
 
     def chunked() -> torch.Tensor:
         targets = x["labels"][1:]  # [N]
-        teachers = [(x["t_hidden"][:-1], x["t_weight"], None)] if variant == "kd chunked" else []
+        teachers = ([(x["t_hidden"][:-1], x["t_weight"], None)] if variant == "kd chunked"
+                    else [(x["t_logits"][:-1], None, None)] if variant == "kd chunked, teacher logits" else [])
         kd_w = torch.ones(len(teachers), targets.shape[0])  # [K, N]
         return chunked_head_loss(x["hidden"][:-1], x["weight"], None, targets, teachers, kd_w, chunk_tokens=chunk)[0]
 
@@ -104,7 +118,7 @@ def measure_variant(variant: str, shape: dict[str, int], how: str = "profiler") 
     (`how="profiler"`) or by the rise of the max RSS over its value once the inputs are allocated ("rss",
     without the profiler, whose own buffers would count)."""
     torch.set_num_threads(1)
-    x = make_inputs(shape)
+    x = make_inputs(shape, t_logits=variant == "kd chunked, teacher logits")
     fn = step_fn(variant, x, shape["chunk"])
     if how == "profiler":
         return measure(fn)[2] / 2**20
@@ -123,13 +137,15 @@ def run(quick: bool = False) -> dict[str, Any]:
                                  check=True, capture_output=True, text=True)
             mem[v][key] = float(out.stdout.strip().splitlines()[-1])
     repeats, warmup = (1, 0) if quick else (3, 1)
-    x = make_inputs(shape)
+    x = make_inputs(shape, t_logits=True)
     with torch_threads(1):
         t = interleaved_times({v: step_fn(v, x, shape["chunk"]) for v in VARIANTS}, repeats, warmup=warmup)
-    rows = [{"case": v, **mem[v], "ms": t.ms(v), "time_over_ce": t.ratio(v, "ce chunked"),
+    rows = [{"case": v, **mem[v], "head_matmuls": MATMULS[v], "ms": t.ms(v), "time_over_ce": t.ratio(v, "ce chunked"),
              "time_over_ce_plain": t.ratio(v, "ce plain")} for v in VARIANTS]
     kd, ce, ce_plain = mem["kd chunked"]["peak_mib"], mem["ce chunked"]["peak_mib"], mem["ce plain"]["peak_mib"]
     mem_over_ce, time_over_ce = kd / ce, t.ratio("kd chunked", "ce chunked")
+    grads = (shape["vocab"] + shape["tokens"] + 1) * shape["hidden"] * 4  # bytes of grad_weight, grad_hidden
+    chunk_bytes = shape["chunk"] * shape["vocab"] * 4  # one [chunk, V] fp32 buffer
     return {
         "name": "logits",
         "title": "Logit KD from hidden states: chunked vs unchunked vs CE alone (memory and time)",
@@ -139,13 +155,20 @@ def run(quick: bool = False) -> dict[str, Any]:
         "the step above its inputs (torch.profiler), each variant in a fresh process; rss_peak_mib: the max-RSS rise "
         f"over the step in another fresh process, without the profiler. ms: median of {repeats} interleaved repeats, 1 torch thread. mem_over_ce, "
         "time_over_ce: kd chunked / ce chunked (the headline: CE done the same memory-aware way); *_plain: against "
-        "CE on full logits.",
+        "CE on full logits. Floors (computed): time_floor_over_ce = head matmuls of kd chunked / ce chunked (4/3: "
+        "the teacher's logits from its hidden states are one matmul more than CE's three; the time target 1.3 is "
+        "below it); mem_floor_over_ce = (grad_weight + grad_hidden + 2 chunk buffers) / (the same + 1): KD holds "
+        "the teachers' distribution beside the student's logits, CE only the logits (its gradient made in them).",
         "results": rows,
         "ratio": mem_over_ce,
         "mem_over_ce": mem_over_ce,
         "time_over_ce": time_over_ce,
         "mem_over_ce_plain": kd / ce_plain,
         "time_over_ce_plain": t.ratio("kd chunked", "ce plain"),
+        "time_floor_over_ce": MATMULS["kd chunked"] / MATMULS["ce chunked"],
+        "mem_floor_over_ce": (grads + 2 * chunk_bytes) / (grads + chunk_bytes),
+        "time_over_ce_teacher_logits": t.ratio("kd chunked, teacher logits", "ce chunked"),
+        "mem_over_ce_teacher_logits": mem["kd chunked, teacher logits"]["peak_mib"] / ce,
         "mem_unchunked_over_chunked": mem["kd unchunked"]["peak_mib"] / kd,
         "target": TARGET,
         "passed": mem_over_ce <= TARGET and time_over_ce <= TARGET,

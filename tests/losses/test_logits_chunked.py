@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvdistill.losses import logit_kd_sum, token_ce_sum
+from kvdistill.commands.profile import measure
+from kvdistill.losses import chunked, logit_kd_sum, token_ce_sum
 from kvdistill.losses.chunked import AUTO_CHUNK_TOKENS, chunked_head_loss, resolve_chunk_tokens
 
 B, T, D, V = 2, 7, 6, 13
@@ -124,3 +125,43 @@ def test_per_token_ce_weights():
     torch.testing.assert_close(loss, (per_tok * cw).sum())
     torch.testing.assert_close(ce, per_tok.sum())
     torch.testing.assert_close(torch.autograd.grad(loss, w)[0], torch.autograd.grad((per_tok * cw).sum(), w)[0])
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+def test_row_blocks_equal_one_block(kind, monkeypatch):
+    """Softmax temporaries a few rows at a time (as at real vocabulary sizes) change nothing."""
+    h, w, b, labels, t1, tl = _problem()
+    sw, temp = torch.tensor([[1.0, 0.5], [0.25, 2.0]]), 2.0
+    ce, kd = _reference(h, w, b, labels, t1, tl, kind, temp, 0.3, sw)
+    ref_grads = torch.autograd.grad(ce + kd, (h, w, b))
+    monkeypatch.setattr(chunked, "ROW_BLOCK", 2 * V)  # 2 rows per block, 3 blocks in a chunk of 5
+    loss, _, kd_c = _chunked(h, w, b, labels, t1, tl, kind, temp, 0.3, sw, 5, 1.0, 1.0)
+    torch.testing.assert_close(kd_c, kd, atol=1e-5, rtol=1e-5)
+    for g, r in zip(torch.autograd.grad(loss, (h, w, b)), ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+def test_kd_peak_memory_is_ce_peak_plus_one_chunk(monkeypatch):
+    """Peak bytes allocated in fwd + bwd (torch.profiler): CE holds the head's and hidden states' gradients and
+    one chunk's `[n, V]` logits (their gradient made in place); KD from any number of teachers one chunk more."""
+    n_tok, d, v, chunk = 64, 8, 4096, 32
+    chunk_bytes, slack = chunk * v * 4, chunk * v * 4 // 4  # slack: row blocks of 2 rows and [n]-sized tensors
+    monkeypatch.setattr(chunked, "ROW_BLOCK", 2 * v)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(n_tok, d, generator=g, requires_grad=True)
+    w = torch.randn(v, d, generator=g, requires_grad=True)
+    targets = torch.randint(0, v, (n_tok,), generator=g)
+    heads = [(torch.randn(n_tok, d, generator=g), torch.randn(v, d, generator=g), None) for _ in range(2)]
+
+    def peak(teachers, kind="forward_kl"):
+        def step():
+            h.grad = w.grad = None
+            chunked_head_loss(h, w, None, targets, teachers, torch.ones(len(teachers), n_tok), kind=kind,
+                              chunk_tokens=chunk)[0].backward()
+        return measure(step)[2]
+
+    ce = peak([])
+    grads = (v + n_tok) * d * 4  # grad_w, grad_h
+    assert ce <= grads + chunk_bytes + slack
+    for teachers, kind in (([heads[0]], "forward_kl"), (heads, "forward_kl"), (heads, "reverse_kl")):
+        assert peak(teachers, kind) <= ce + chunk_bytes + slack, (len(teachers), kind)

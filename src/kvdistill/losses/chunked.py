@@ -6,8 +6,10 @@ each teacher, and again for the softmax temporaries and the gradient (2,048 toke
 chunk of hidden states through the head, computes that chunk's loss *and its gradient* in the
 forward, and keeps only the gradients of the hidden states `[N, d]` and of the head `[V, d]` (the
 size of the weight's own gradient). The backward only scales them by the incoming gradient, so it
-costs no recompute: the time is about that of plain CE (three matmuls), and the peak holds one
-chunk's `[n, V]` temporaries instead of all N rows'.
+costs no recompute: CE is three matmuls (logits, the hidden states' and the head's gradients), KD
+one more per teacher given by its head. The peak holds, beside those gradients, one `[n, V]` buffer
+for CE (the logits, turned into their gradient in place) and one more for KD (the teachers'
+distributions, summed), plus softmax temporaries of `ROW_BLOCK` elements.
 
 The loss is one scalar, `Σ ce_weight_i · CE_i + kd_scale · KD sum`, because a precomputed gradient
 needs the weights of its terms at forward time; the plain CE and KD sums come back detached for logging.
@@ -38,13 +40,17 @@ def resolve_chunk_tokens(option: int | None, n_tokens: int, vocab: int) -> int:
     return option
 
 
-def _logits(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
-    """A chunk's fp32 logits `[n, V]`: `x` is logits already, or hidden states through the head."""
-    return (x if weight is None else F.linear(x, weight, bias)).float()
+ROW_BLOCK = 2**20  # elements of a row block's temporaries (4 MiB in fp32, 6 rows at V = 151,936)
+
+
+def _row_blocks(x: Tensor) -> list[slice]:
+    """Slices of `x`'s rows, `ROW_BLOCK` elements each: softmax temporaries are a block's, never `[n, V]`."""
+    step = max(1, ROW_BLOCK // max(x.shape[1], 1))
+    return [slice(r, r + step) for r in range(0, x.shape[0], step)]
 
 
 def _tempered(x: Tensor, T: float) -> Tensor:
-    """`x / T`, without an `[n, V]` copy at T = 1 (the usual case)."""
+    """`x / T`, without a copy at T = 1 (the usual case)."""
     return x if T == 1 else x / T
 
 
@@ -53,55 +59,103 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a[:, None], b[:, :, None])[:, 0, 0]
 
 
-def _chunk_grad(z: Tensor, targets: Tensor, teachers: list, sl: slice, kd_w: Tensor, ce_w: Tensor,
-                kd_scale: float, beta: float, temperature: float, vocab: int
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`(d total / d z, weighted CE, CE sum, KD sum)` of one chunk: student logits `z [n, V_s]`, the teachers'
-    heads (`TeacherHead`, rows `sl`), per-token CE weights `ce_w [n]`, per-teacher token weights `kd_w [K, n]`
-    (0: not distilled).
+def _teacher_logits(x: Tensor, w: Tensor | None, b: Tensor | None, vocab: int) -> Tensor:
+    """A teacher's fp32 logits `[n, vocab]` in a buffer of their own (the caller writes into it): its given
+    logits copied, or its hidden states through the first `vocab` rows of its head (padded rows never made)."""
+    if w is None:
+        return x[:, :vocab].to(torch.float32, copy=True)
+    return F.linear(x, w[:vocab], None if b is None else b[:vocab]).float()
 
-    CE, forward and reverse KL have their gradients in closed form, computed in place (a handful of
-    `[n, V]` buffers: memory is the point of chunking); the generalized JSD's mixture goes through autograd.
+
+def _teachers(teachers: list, sl: slice, kd_w: Tensor, beta: float, T: float, vocab: int
+              ) -> tuple[Tensor | list[Tensor], Tensor]:
+    """The teachers' side of a chunk (rows `sl`), each teacher's logits made and folded in, a block of rows at a time.
+
+    KL is linear in the teacher's probabilities (forward) or log-probabilities (reverse), so K teachers fold
+    into one `[n, vocab]` sum `acc` = Σ_k w_k p_k (forward KL) or Σ_k w_k log p_k (reverse KL), in the first
+    teacher's buffer: with the student's logits, two `[n, V]` buffers live, however many teachers.
+    Returns `(acc, ent)`, `ent [n]` = Σ_k w_k Σ_v p_k log p_k (forward KL; zeros otherwise). The generalized
+    JSD is not linear in either: it gets each teacher's log-probs `[n, vocab]` (a list) and zeros.
+    """
+    acc, ent, jsd = None, kd_w.new_zeros(kd_w.shape[1]), [] if 0.0 < beta < 1.0 else None
+    for (x, w, b), wk in zip(teachers, kd_w):
+        lt = _teacher_logits(x[sl], w, b, vocab)  # [n, vocab]
+        for r in _row_blocks(lt):
+            lp = F.log_softmax(_tempered(lt[r], T), -1)  # [rows, vocab] log p_k
+            if jsd is not None:
+                lt[r] = lp
+                continue
+            if beta == 0.0:
+                p = lp.exp()
+                ent[r] += wk[r] * _rowdot(p, lp)
+                lp = p
+            lp.mul_(wk[r, None])
+            if acc is None:
+                lt[r] = lp
+            else:
+                acc[r] += lp
+        if jsd is not None:
+            jsd.append(lt)
+        elif acc is None:
+            acc = lt
+        del lt  # a later teacher's buffer goes once folded into acc
+    return (jsd if jsd is not None else acc), ent
+
+
+def _kd_block(zr: Tensor, acc: Tensor | list[Tensor], r: slice, ent: Tensor, kd_w: Tensor, beta: float, T: float
+              ) -> tuple[Tensor, Tensor]:
+    """`(Σ_k w_k div_k [rows], its gradient w.r.t. the tempered logits u = z / T [rows, vocab])` of a block of
+    rows: `zr` the student's logits `[rows, vocab]`, `acc`, `ent` from `_teachers`."""
+    wk, W = kd_w[:, r], kd_w[:, r].sum(0)[:, None]  # [K, rows], [rows, 1]
+    if isinstance(acc, list):  # generalized JSD: through autograd, a block at a time
+        u = _tempered(zr, T).detach().requires_grad_()
+        with torch.enable_grad():
+            ls = F.log_softmax(u, -1)
+            div = sum(generalized_jsd(ls, lt[r], beta) * w for lt, w in zip(acc, wk))  # [rows]
+            (gu,) = torch.autograd.grad(div.sum(), u)
+        return div.detach(), gu
+    ls = F.log_softmax(_tempered(zr, T), -1)  # [rows, vocab] log p_s
+    a = acc[r]
+    if beta == 0.0:  # Σ_k w_k KL(p_k || p_s) = ent - Σ_v acc log p_s;  d/du = W p_s - acc
+        div = ent[r] - _rowdot(a, ls)
+        return div, ls.exp_().mul_(W).sub_(a)
+    # Σ_k w_k KL(p_s || p_k) = Σ_v p_s (W log p_s - acc);  d/du = p_s (W log p_s - acc - that)
+    ps = ls.exp()
+    d = ls.mul_(W).sub_(a)
+    div = _rowdot(ps, d)
+    return div, d.sub_(div[:, None]).mul_(ps)
+
+
+def _chunk_grad(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, teachers: list, sl: slice,
+                kd_w: Tensor, ce_w: Tensor, kd_scale: float, beta: float, temperature: float, vocab: int
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`(d total / d z, weighted CE, CE sum, KD sum)` of one chunk: the student's hidden states `h [n, d]`
+    through its head, the teachers' heads (`TeacherHead`, rows `sl`), per-token CE weights `ce_w [n]`,
+    per-teacher token weights `kd_w [K, n]` (0: not distilled).
+
+    The gradient is made in the student's logits' own buffer, a block of rows at a time: CE alone holds one
+    `[n, V_s]` buffer, KD one more (`_teachers`' sum; the generalized JSD one per teacher). CE, forward and
+    reverse KL have their gradients in closed form; the generalized JSD's go through autograd.
     """
     T = temperature
-    # the student's log-probs first, so the logits can go as soon as CE's gradient is made: the caller
-    # passed their only reference, and one [n, V] buffer fewer lives while the teachers' are made
-    ls = F.log_softmax(_tempered(z[:, :vocab], T), -1) if teachers else None  # [n, V]
-    z_kd = z[:, :vocab].detach() if teachers and 0.0 < beta < 1.0 else None  # the JSD's autograd reads them
+    acc, ent = _teachers(teachers, sl, kd_w, beta, T, vocab) if teachers else (None, None)
+    z = F.linear(h, weight, bias).float()  # [n, V_s], becomes the gradient in place
     valid = (targets != -100).float()  # [n]
+    a = valid * ce_w  # [n] d total / d CE_i
     tgt = targets.clamp(min=0)[:, None]  # [n, 1]
-    lse = torch.logsumexp(z, -1)  # [n]
-    ce_tok = (lse - z.gather(1, tgt)[:, 0]) * valid  # [n]
-    g = (z - lse[:, None]).exp_()  # [n, V_s] softmax: d CE / dz = softmax - onehot
-    del z
-    g.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=g.dtype)).mul_((valid * ce_w)[:, None])
-    ce_weighted, ce = (ce_tok * ce_w).sum(), ce_tok.sum()
-    kd = g.new_zeros(())
-    if not teachers:
-        return g, ce_weighted, ce, kd
-    gv = g[:, :vocab]  # the KD gradient lands on the first `vocab` logits
-    for (x, w, b), wk in zip(teachers, kd_w):
-        lt = F.log_softmax(_tempered(_logits(x[sl], w, b)[:, :vocab], T), -1)  # [n, V] teacher log-probs
-        c = (kd_scale * T * wk)[:, None]  # [n, 1]: T² × (1/T) of d(z/T)/dz, times the token's weight
-        if beta == 0.0:  # forward KL(t || s) = sum p_t log p_t - sum p_t log p_s; d/dz = (p_s - p_t) / T
-            pt = lt.exp()
-            div = _rowdot(pt, lt)  # [n]
-            del lt
-            div = div - _rowdot(pt, ls)
-            gv.add_(pt.sub_(ls.exp()).mul_(-c))
-        elif beta == 1.0:  # reverse KL(s || t): d/dz = p_s (log p_s - log p_t - KL) / T
-            ps, d = ls.exp(), lt.neg_().add_(ls)  # d = log p_s - log p_t
-            div = _rowdot(ps, d)
-            gv.add_(d.sub_(div[:, None]).mul_(ps).mul_(c))
-        else:
-            zz = z_kd.requires_grad_()
-            with torch.enable_grad():
-                div = generalized_jsd(F.log_softmax(zz / T, -1), lt, beta)  # [n]
-                (gz,) = torch.autograd.grad((div * wk).sum() * kd_scale * T**2, zz)
-            gv.add_(gz)
-            div = div.detach()
-        kd = kd + (div * wk).sum() * T**2
-    return g, ce_weighted, ce, kd
+    ce_tok = -z.gather(1, tgt)[:, 0] * valid  # [n], + lse below
+    kd_tok = torch.zeros_like(a)  # [n] Σ_k w_k div_k
+    for r in _row_blocks(z):
+        zr = z[r]  # [rows, V_s]
+        lse = torch.logsumexp(zr, -1)  # [rows]
+        ce_tok[r] += lse * valid[r]
+        if teachers:
+            kd_tok[r], gu = _kd_block(zr[:, :vocab], acc, r, ent, kd_w, beta, T)
+        zr.sub_(lse[:, None]).exp_().mul_(a[r, None])  # d CE / dz = a (softmax - onehot): the onehot below
+        if teachers:
+            zr[:, :vocab].add_(gu, alpha=kd_scale * T)  # T² × (1/T) of du/dz
+    z.scatter_add_(1, tgt, -a[:, None])
+    return z, (ce_tok * ce_w).sum(), ce_tok.sum(), kd_tok.sum() * T**2
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -118,9 +172,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for lo in range(0, hidden.shape[0], chunk):
             sl = slice(lo, lo + chunk)
             h = hidden[sl]  # [n, d]
-            # only this chunk's logits [n, V_s] live, and only inside _chunk_grad (which frees them early)
-            g, ce_weighted, ce, kd = _chunk_grad(F.linear(h, weight, bias).float(), targets[sl], teachers, sl,
-                                                 kd_w[:, sl], ce_w[sl], kd_scale, beta, temperature, vocab)
+            g, ce_weighted, ce, kd = _chunk_grad(h, weight, bias, targets[sl], teachers, sl, kd_w[:, sl], ce_w[sl],
+                                                 kd_scale, beta, temperature, vocab)  # g [n, V_s]
             if need_h:
                 grad_h[sl] = g.to(weight.dtype) @ weight  # [n, d]
             if need_w:
