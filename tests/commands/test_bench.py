@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvdistill.cli import main as cli_main
 from kvdistill.commands import bench
@@ -201,8 +202,21 @@ def test_peer_losses_equal_trl_on_a_fixed_batch(tiny_world, tmp_path: Path) -> N
                                             8, True)
     res = peer.fixed_batch_losses(ours, trl, batch)
     assert res["loss_kvdistill"] > 1e-3  # a real JSD between two different models, not 0 == 0
-    assert res["loss_abs_diff"] <= peer.LOSS_ATOL
+    assert res["loss_abs_diff"] <= peer.LOSS_ATOL and res["loss_abs_diff_all_rows"] <= peer.LOSS_ATOL
     assert res["formula_abs_diff_t1"] < 1e-6 and res["formula_abs_diff_t2_over_t2"] < 1e-6
+
+
+def test_peer_pairs_run_both_teachers_at_one_precision(tiny_world, tmp_path: Path) -> None:
+    """TRL's GKDConfig defaults to bf16=True, which autocasts its teacher: the benchmark's pair turns that off
+    (both teachers fp32), and its bf16 pair gives TRL that default and kvdistill's teacher bf16 weights."""
+    pytest.importorskip("trl")
+    peer = bench.load_benchmark(bench.find_benchmarks_dir() / "bench_peer.py")
+    m = tiny_world.models
+    for bf16, dtype, mixed in ((False, torch.float32, "no"), (True, torch.bfloat16, "bf16")):
+        ours, trl, _, _ = peer.trainer_pair(m["student"], m["qwen2_teacher"], tiny_world.data_dir,
+                                            tmp_path / str(bf16), 0.0, 8, True, bf16)
+        assert trl.accelerator.mixed_precision == mixed
+        assert next(iter(ours.teachers)).model.dtype == dtype and trl.teacher_model.dtype == torch.float32
 
 
 @pytest.mark.extended
