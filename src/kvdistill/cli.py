@@ -4,7 +4,7 @@ Each command is a module of `kvdistill.commands` with a `main(argv) -> int`; mod
 only when their command runs, so `kvdistill --help` stays fast and a broken optional dependency
 of one command does not break the others. The dispatcher owns the error policy: a problem with
 the user's input (`ConfigError`, `DataError`, `ModelLoadError`, ...) prints one line naming the
-problem and the fix and exits 2; `--debug` shows the traceback instead.
+problem and the fix and exits 2 (`config.UserError`, their common base); `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import importlib
 import sys
 
 from kvdistill import __version__
+from kvdistill.config import UserError
 from kvdistill.io import WriteError, write_failure
 from kvdistill.malloc import keep_freed_memory
 
@@ -42,16 +43,6 @@ RERUN = {"train": " with --resume_from_checkpoint last (it resumes from the last
          "ablate": " the same ablation (it resumes where it stopped)"}
 
 
-def user_errors() -> tuple[type[Exception], ...]:
-    """Exceptions that mean bad input (or a run its input made diverge), not a bug: reported in one line."""
-    from kvdistill.config import ConfigError
-    from kvdistill.data import DataError
-    from kvdistill.models import ModelLoadError
-    from kvdistill.train.trainer import NonFiniteError
-
-    return (ConfigError, DataError, ModelLoadError, NonFiniteError)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvdistill",
@@ -78,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:
         return int(module.main(argv[1:]) or 0)
-    except user_errors() as err:
+    except UserError as err:
         if debug:
             raise
         print(f"kvdistill {argv[0]}: error: {err}", file=sys.stderr)

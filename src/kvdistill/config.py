@@ -28,7 +28,13 @@ T = TypeVar("T")
 PROBE_BYTES = 1 << 16  # a disk that cannot take 64 KiB more cannot take a run's results either
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """Bad input (or a run its input made diverge), not a bug: the CLI prints its message in one line and
+    exits 2. Its kinds live beside what they check; this light base lets the CLI catch them all without
+    importing torch or transformers (an argparse exit or a config error stays fast)."""
+
+
+class ConfigError(UserError, ValueError):
     """A configuration problem, raised before anything loads; the message names the fix."""
 
 

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from kvdistill import fields as token_fields
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING
+from kvdistill.config import UserError
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 ANSWER_MARKER = "####"
@@ -36,7 +37,7 @@ FIELD_MAPS: dict[str, dict[str, str]] = {
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad data input; the message names the problem and the fix."""
 
 

@@ -29,7 +29,7 @@ from transformers import (
 )
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from kvdistill.config import ConfigError
+from kvdistill.config import ConfigError, UserError
 
 DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",
@@ -43,7 +43,7 @@ DTYPES: dict[str, torch.dtype | str] = {
 QUANTIZATIONS = (None, "4bit", "8bit")
 
 
-class ModelLoadError(OSError):
+class ModelLoadError(UserError, OSError):
     """A model or tokenizer could not be loaded; the message says why and how to fix it."""
 
 

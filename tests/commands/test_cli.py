@@ -28,6 +28,29 @@ def test_console_script_runs():
     assert r.returncode == 0 and "layer-map" in r.stdout
 
 
+def test_a_light_commands_errors_do_not_import_torch(tmp_path):
+    """The CLI catches every user error by their light common base: an argparse exit or a config error of
+    a command that needs no model answers in about a second, not after ~5 s of torch and model imports."""
+    code = ("import sys\nfrom kvdistill.cli import main\n"
+            f"assert main(['gen-data', '--n_train', '-1', '--output_dir', {str(tmp_path / 'd')!r}]) == 2\n"
+            "try:\n    main(['gen-data', '--n_train', 'x'])\nexcept SystemExit as e:\n    assert e.code == 2\n"
+            "print('torch' in sys.modules, 'transformers.modeling_utils' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False"]
+    assert "kvdistill gen-data: error: n_train must be >= 0" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_every_user_error_is_caught_as_one_line():
+    from kvdistill.config import ConfigError, UserError
+    from kvdistill.data import DataError
+    from kvdistill.models import ModelLoadError
+    from kvdistill.train.trainer import NonFiniteError
+
+    for kind in (ConfigError, DataError, ModelLoadError, NonFiniteError):
+        assert issubclass(kind, UserError), kind
+
+
 def test_every_command_module_has_main():
     import importlib
 

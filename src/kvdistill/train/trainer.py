@@ -26,6 +26,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from kvdistill.align.compress import compress_cache
 from kvdistill.cache import REASONING, KVCache
 from kvdistill.card import write_card
+from kvdistill.config import UserError
 from kvdistill.controls import oracle_cache
 from kvdistill.io import nbytes, read_jsonl, write_json_atomic, write_text_atomic, writing
 from kvdistill.models import num_layers
@@ -40,7 +41,7 @@ MODULES_FILE = "kvdistill_modules.safetensors"  # aligners, fusion logits, CODI 
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """A loss or gradient became NaN/inf; the message names where it first appeared."""
 
 
