@@ -114,15 +114,24 @@ def test_teacher_cache_holds_final_hidden_states(base_args, tiny_world, tmp_path
 
 @pytest.mark.slow  # a 2-process launch (~40 s on 2 cores); the head path itself is tested in process above
 def test_two_process_ddp_with_teacher_heads_equals_one_process(base_args, tiny_world, launch, tmp_path):
-    """2 ranks × 2 records = 1 process × 4: the same logged losses with the teachers' heads chunked."""
+    """2 ranks × 1 record × 2 accumulated micro-batches = 1 process × 4: the same logged losses with the
+    teachers' heads chunked, the ranks' parameters equal, and one teacher-answer cache for both ranks
+    (fusion: correctness; rank 0 writes it)."""
     out = tmp_path / "ddp"
+    ddp_args = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, fusion="correctness")
     r = launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no"], ["-m", "kvdistill.cli", "train", *_argv(base_args, tiny_world, tmp_path,
-                                                                                    output_dir=out)])
+                                                                                    output_dir=out, **ddp_args)])
     assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads((out / "ranks" / f"rank{i}.json").read_text()) for i in range(2)]
+    assert ranks[0]["param_checksum"] == pytest.approx(ranks[1]["param_checksum"], rel=1e-9)
+    assert ranks[0]["logged_loss"] == pytest.approx(ranks[1]["logged_loss"], rel=1e-9)
+    answers = json.loads((out / "teacher_correctness.json").read_text())  # teacher:config:n_records -> 0/1 each
+    assert len(answers) == 3 and all(len(a) == 8 and set(a) <= {0, 1} for a in answers.values())
+    assert not (out / "teacher_correctness.json.tmp").exists()
     ddp = [row["loss"] for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
     one = build_trainer(parse_config(_argv(base_args, tiny_world, tmp_path, output_dir=tmp_path / "one",
-                                           per_device_train_batch_size=4)))
+                                           per_device_train_batch_size=4, fusion="correctness")))
     assert all(t.head_hidden for t in one.teachers if t.name in SAME)
     one.train()
     ref = [h["loss"] for h in one.state.log_history if "loss" in h]
