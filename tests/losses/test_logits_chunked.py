@@ -127,11 +127,12 @@ def test_per_token_ce_weights():
     torch.testing.assert_close(torch.autograd.grad(loss, w)[0], torch.autograd.grad((per_tok * cw).sum(), w)[0])
 
 
+@pytest.mark.parametrize("temp", [1.0, 2.0])  # 1: log p_s from CE's logsumexp
 @pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
-def test_row_blocks_equal_one_block(kind, monkeypatch):
+def test_row_blocks_equal_one_block(kind, temp, monkeypatch):
     """Softmax temporaries a few rows at a time (as at real vocabulary sizes) change nothing."""
     h, w, b, labels, t1, tl = _problem()
-    sw, temp = torch.tensor([[1.0, 0.5], [0.25, 2.0]]), 2.0
+    sw = torch.tensor([[1.0, 0.5], [0.25, 2.0]])
     ce, kd = _reference(h, w, b, labels, t1, tl, kind, temp, 0.3, sw)
     ref_grads = torch.autograd.grad(ce + kd, (h, w, b))
     monkeypatch.setattr(chunked, "ROW_BLOCK", 2 * V)  # 2 rows per block, 3 blocks in a chunk of 5

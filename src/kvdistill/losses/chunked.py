@@ -102,10 +102,11 @@ def _teachers(teachers: list, sl: slice, kd_w: Tensor, beta: float, T: float, vo
     return (jsd if jsd is not None else acc), ent
 
 
-def _kd_block(zr: Tensor, acc: Tensor | list[Tensor], r: slice, ent: Tensor, kd_w: Tensor, beta: float, T: float
-              ) -> tuple[Tensor, Tensor]:
+def _kd_block(zr: Tensor, lse: Tensor | None, acc: Tensor | list[Tensor], r: slice, ent: Tensor, kd_w: Tensor,
+              beta: float, T: float) -> tuple[Tensor, Tensor]:
     """`(Σ_k w_k div_k [rows], its gradient w.r.t. the tempered logits u = z / T [rows, vocab])` of a block of
-    rows: `zr` the student's logits `[rows, vocab]`, `acc`, `ent` from `_teachers`."""
+    rows: `zr` the student's logits `[rows, vocab]`, `lse` their logsumexp `[rows]` when it is u's too (T = 1,
+    the whole head compared; else None), `acc`, `ent` from `_teachers`."""
     wk, W = kd_w[:, r], kd_w[:, r].sum(0)[:, None]  # [K, rows], [rows, 1]
     if isinstance(acc, list):  # generalized JSD: through autograd, a block at a time
         u = _tempered(zr, T).detach().requires_grad_()
@@ -114,7 +115,7 @@ def _kd_block(zr: Tensor, acc: Tensor | list[Tensor], r: slice, ent: Tensor, kd_
             div = sum(generalized_jsd(ls, lt[r], beta) * w for lt, w in zip(acc, wk))  # [rows]
             (gu,) = torch.autograd.grad(div.sum(), u)
         return div.detach(), gu
-    ls = F.log_softmax(_tempered(zr, T), -1)  # [rows, vocab] log p_s
+    ls = zr - lse[:, None] if lse is not None else F.log_softmax(_tempered(zr, T), -1)  # [rows, vocab] log p_s
     a = acc[r]
     if beta == 0.0:  # Σ_k w_k KL(p_k || p_s) = ent - Σ_v acc log p_s;  d/du = W p_s - acc
         div = ent[r] - _rowdot(a, ls)
@@ -150,7 +151,8 @@ def _chunk_grad(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
         lse = torch.logsumexp(zr, -1)  # [rows]
         ce_tok[r] += lse * valid[r]
         if teachers:
-            kd_tok[r], gu = _kd_block(zr[:, :vocab], acc, r, ent, kd_w, beta, T)
+            kd_tok[r], gu = _kd_block(zr[:, :vocab], lse if T == 1 and vocab == z.shape[1] else None, acc, r, ent,
+                                      kd_w, beta, T)
         zr.sub_(lse[:, None]).exp_().mul_(a[r, None])  # d CE / dz = a (softmax - onehot): the onehot below
         if teachers:
             zr[:, :vocab].add_(gu, alpha=kd_scale * T)  # T² × (1/T) of du/dz
