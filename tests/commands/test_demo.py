@@ -8,6 +8,7 @@ import subprocess
 import pytest
 import yaml
 
+from kvdistill.commands import demo
 from kvdistill.commands.demo import curve_points, plateau_step, run_parallel
 from kvdistill.commands.demo import main as demo_main
 from kvdistill.config import ConfigError
@@ -36,10 +37,14 @@ def test_run_parallel_chains_a_jobs_commands_and_stops_at_a_failure(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def demo_out(tmp_path_factory):
-    """One quick demo's output, shared by the tests below (the run is ~16 child processes)."""
+def demo_out(tmp_path_factory, in_process):
+    """One quick demo's output, shared by the tests below. Its ~16 commands run in this process: as child
+    processes their ~5 s of imports each would double the run; the KV student's rerun below makes its
+    part again in child processes, as the demo does, and must give the same bytes."""
     out = tmp_path_factory.mktemp("demo") / "demo"
-    assert demo_main(["--quick", "--output_dir", str(out), "--workers", "2"]) == 0
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(demo, "run_parallel", in_process)
+        assert demo_main(["--quick", "--output_dir", str(out), "--workers", "2"]) == 0
     return out
 
 
@@ -117,7 +122,8 @@ STUDENT_KV = ("report.md", "runs/student_kv/model.safetensors", "eval/student_kv
 @pytest.mark.slow
 def test_a_rerun_of_the_kv_student_gives_the_same_bytes(demo_out):
     """The same command and seed on this machine give the same bytes: the KV student (its capture,
-    training and test evaluation, 3 child processes) made again in the same output dir."""
+    training and test evaluation) made again in the same output dir, by the demo's child processes this
+    time (the fixture ran them in process): a fresh interpreter gives the bytes this one gave."""
     before = {rel: (demo_out / rel).read_bytes() for rel in STUDENT_KV}
     for rel in ("runs/student_kv", "captures/student_kv", "eval/student_kv"):
         shutil.rmtree(demo_out / rel)
@@ -154,8 +160,6 @@ def test_progress_line_reads_a_trainings_steps_and_extrapolates_its_eta(tmp_path
 
 
 def test_run_parallel_prints_progress_while_jobs_run(tmp_path, capsys, monkeypatch):
-    from kvdistill.commands import demo
-
     monkeypatch.setattr(demo, "PROGRESS_S", 0)  # every poll: the job below runs for seconds (imports)
     run_parallel({"slow": [["gen-data", "--help"]]}, 1, tmp_path / "logs")
     assert "    slow: kvdistill gen-data, " in capsys.readouterr().out

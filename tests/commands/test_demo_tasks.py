@@ -1,6 +1,5 @@
 """`kvdistill demo --task binding|modular`: a regime's assets from one command (issue 31)."""
 
-import importlib
 import json
 import re
 import shutil
@@ -8,7 +7,6 @@ import shutil
 import pytest
 import yaml
 
-from kvdistill.cli import COMMANDS
 from kvdistill.commands import demo
 from kvdistill.commands.demo import DemoConfig
 from kvdistill.commands.demo import main as demo_main
@@ -17,19 +15,11 @@ from kvdistill.config import ConfigError, parse_config
 SPLITS = ("teacher_pool", "train", "dev", "teacher_dev", "test", "other_task", "other_task_dev")
 
 
-def in_process(jobs: dict[str, list[list[str]]], workers: int, logs) -> None:
-    """`run_parallel` without child processes: each command's `main`, one after another (what a
-    `kvdistill` subprocess runs, less its ~5 s of imports)."""
-    for commands in jobs.values():
-        for argv in commands:
-            assert importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:]) == 0, argv
-
-
 @pytest.mark.parametrize("runner", [
     "in_process",  # CI: the same stages and command lines, ~10 commands in process
     pytest.param("subprocess", marks=[pytest.mark.slow, pytest.mark.extended]),  # as a user runs it (~60 s)
 ])
-def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, runner):
+def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, runner, in_process):
     calls: list[list[str]] = []
     run = {"in_process": in_process, "subprocess": demo.run_parallel}[runner]
 
