@@ -531,6 +531,12 @@ def test_the_report_leads_with_the_primary_result_in_words(tmp_path, primary, wo
     lead = (tmp_path / "out" / "ablation.md").read_text().split("Base config")[0]  # before anything else
     assert lead.startswith("# Ablation\n\n**Hypothesis** (pre-registered 20") and "KV makes the student better" in lead
     assert f"**Primary result** ({report['primary']['spec']['metric'].replace('_', ' ')}" in lead and words in lead
+    # the primary section opens with the registered metric's result; accuracy follows, named as not the test
+    section = (tmp_path / "out" / "ablation.md").read_text().split("## Primary comparison")[1].split("\n| variant")[0]
+    metric = report["primary"]["spec"]["metric"]
+    assert ("(not the registered test)" in section) == (metric != "accuracy")
+    if metric != "accuracy":
+        assert -1 < section.find(report["primary"]["verdict"]) < section.index("Δ accuracy")
 
 
 def test_preregistration_is_written_before_the_first_run_and_fixed_once_runs_exist(tmp_path):
