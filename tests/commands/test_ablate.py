@@ -363,6 +363,10 @@ def test_controls_references_and_the_primary_comparison(tmp_path):
     assert report["primary"]["variant"] == "relation" and report["primary"]["delta_accuracy"] > 0.4
     md = (tmp_path / "out" / "ablation.md").read_text()
     assert "## Primary comparison" in md and "**significant**" in md
+    # a primary whose reference wins significantly says so (it is not "not significant")
+    flipped = {**report, "primary": {**report["primary"], "variant": "baseline", "reference": "relation",
+                                     "delta_accuracy": -report["primary"]["delta_accuracy"]}}
+    assert "**significant, in the reference's favour**" in ablate.render_markdown(flipped)
     assert "## Against the controls" in md and "| +Relation | +Relation, shuffled teacher |" in md
     assert "| Privileged KV, no rationale | privileged_kv_untrained | not run |" in md
     # relation vs shuffled (0.8 vs 0.75 on 200 items x 5 seeds) need not be significant: the verdict follows

@@ -889,12 +889,17 @@ def _cmp_cells(cmp_: Mapping[str, Any]) -> list[str]:
             fmt_p((cmp_.get("welch") or {}).get("p_value")), fmt_p(cmp_["permutation_p"]), ci]
 
 
-def _beats(cmp_: Mapping[str, Any] | None, alpha: float = 0.05) -> bool:
-    """Higher accuracy at paired p < alpha on both the seed-level and the item-level test (a test with no
+def _significant(cmp_: Mapping[str, Any] | None, alpha: float = 0.05) -> bool:
+    """Paired p < alpha on both the seed-level and the item-level test, either direction (a test with no
     p-value, e.g. the t-test of one seed, shows nothing)."""
     if not cmp_ or cmp_["ttest"]["p_value"] is None or cmp_["permutation_p"] is None:
         return False
-    return cmp_["delta_accuracy"] > 0 and cmp_["ttest"]["p_value"] < alpha and cmp_["permutation_p"] < alpha
+    return cmp_["ttest"]["p_value"] < alpha and cmp_["permutation_p"] < alpha
+
+
+def _beats(cmp_: Mapping[str, Any] | None, alpha: float = 0.05) -> bool:
+    """Higher accuracy, significant on both paired tests."""
+    return _significant(cmp_, alpha) and cmp_["delta_accuracy"] > 0
 
 
 def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None = None) -> str:
@@ -908,7 +913,8 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
     prim = report.get("primary")
     if prim:
         delta, tp, wp, pp, ci = _cmp_cells(prim)
-        verdict = "**significant**" if _beats(prim) else "**not significant**"
+        verdict = ("**not significant**" if not _significant(prim) else "**significant**" if _beats(prim)
+                   else "**significant, in the reference's favour**")
         metric = (prim.get("spec") or {}).get("metric", "accuracy")
         pair = f"{label[prim['variant']]} vs {label[prim['reference']]} over seeds {prim['seeds']}"
         # a registered metric other than accuracy leads (its test is the record); accuracy follows as context
