@@ -19,13 +19,15 @@ def mod():
 
 
 def test_variants_compute_the_same_loss_gradients(mod):
-    """ce plain = ce chunked and kd unchunked = kd chunked: the comparison is of one computation."""
+    """ce plain = ce chunked and kd unchunked = kd chunked = kd from given teacher logits: the comparison is
+    of one computation."""
     grads = {}
     for v in mod.VARIANTS:
-        x = mod.make_inputs(TINY)
+        x = mod.make_inputs(TINY, t_logits=v == "kd chunked, teacher logits")
         mod.step_fn(v, x, TINY["chunk"])()
         grads[v] = (x["hidden"].grad, x["weight"].grad)
-    for a, b in (("ce plain", "ce chunked"), ("kd unchunked", "kd chunked")):
+    for a, b in (("ce plain", "ce chunked"), ("kd unchunked", "kd chunked"),
+                 ("kd chunked", "kd chunked, teacher logits")):
         for ga, gb in zip(grads[a], grads[b]):
             torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(grads["ce chunked"][1], grads["kd chunked"][1])
