@@ -175,3 +175,17 @@ def test_error_bars_say_what_they_are_and_keep_an_asymmetric_interval(tmp_path, 
     assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == ["95 % Wilson CI", "one seed"]
     (bars,) = ax.containers[1].lines[2]  # the vertical error segments, one per bar
     np.testing.assert_allclose([seg[:, 1] for seg in bars.get_segments()], [[0.4, 0.8], [0.5, 0.75]])
+
+
+def test_long_bar_labels_wrap_and_the_legend_sits_beside_the_bars(tmp_path, monkeypatch):
+    figs = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figs.append(fig) or Path(path))
+    long = "+Relation, permuted numbers (teacher reads a+b with 0..16 relabelled)"
+    plots.plot_bars_with_errors(["SFT", long], [0.5, 0.6], [0.1, 0.1], tmp_path / "b.png", error_label="± 1 sd",
+                                points=[[0.4, 0.6], [0.5, 0.7]])
+    (fig,) = figs
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    texts = [t.get_text() for t in ax.get_xticklabels()]
+    assert texts[0] == "SFT" and texts[1].replace("\n", " ") == long and texts[1].count("\n") >= 2
+    assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1  # never over a bar

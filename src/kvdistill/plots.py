@@ -7,6 +7,7 @@ commands append their own functions here.
 from __future__ import annotations
 
 import io
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -17,6 +18,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from kvdistill.io import write_bytes_atomic
+
+TICK_WRAP = 24  # characters per line of a bar's label
 
 
 def save_figure(fig, path: str | Path) -> Path:
@@ -174,7 +177,7 @@ def plot_bars_with_errors(
     x = np.arange(len(labels))
     m = np.nan_to_num(np.asarray(means, dtype=float), nan=0.0)
     e = np.nan_to_num(np.asarray(errors, dtype=float), nan=0.0)  # [V] or [2, V]
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(labels) + 1.5), 4.0))
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.4 * len(labels) + 2.5), 4.5))
     ax.bar(x, m, color="#4c72b0", alpha=0.8)
     ax.errorbar(x, m, yerr=e, fmt="none", ecolor="black", capsize=4, label=error_label)
     dots = "one seed"  # one legend entry for the dots
@@ -184,12 +187,13 @@ def plot_bars_with_errors(
             ax.scatter(i + np.linspace(-0.15, 0.15, len(vals)), vals, color="black", s=12, zorder=3, label=dots)
             dots = None
     ax.set_xticks(x)
-    ax.set_xticklabels(labels, rotation=20, ha="right")
+    # long variant labels wrap under their bar instead of squeezing the axes; the legend sits outside the bars
+    ax.set_xticklabels([textwrap.fill(str(s), TICK_WRAP) for s in labels], fontsize=8)
     ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title)
     ax.grid(True, axis="y", alpha=0.3)
-    legend(ax, fontsize=8)
+    legend(ax, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return save_figure(fig, path)
 
 
