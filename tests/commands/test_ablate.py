@@ -725,3 +725,102 @@ def test_report_compares_teacher_and_control_on_the_selected_rows(tmp_path):
     assert any(ln.startswith(f"| {right['label']} | 2 | ") and "| – | 0.3000 ± 0.0000 | 3.00" in ln for ln in lines)
     assert any(ln.startswith(f"| {right['label']} | 1 | ") and "| – | – | 0.3000 | 1.000 |" in ln for ln in lines)
     assert json.loads((tmp_path / "out" / "ablation.json").read_text())["variants"]["right"]["agreement"]
+
+
+# ============================================================================= from_report: a sweep continued on a
+# fresh machine, where only the committed ablation.json of the earlier runs survives
+
+
+_DESIGN = dict(seeds=[0, 1, 2], threshold=0.5, margin=0.05, hypothesis="KV helps",
+               primary={"comparison": ["kv", "baseline"], "test": "welch"})
+
+
+def _reported_ablation(tmp_path):
+    """A finished ablation with every kind of number (answer NLL, steps to the threshold, a primary), and a
+    copy of its report outside output_dir (the committed one). Returns the YAML, the runs and the copy."""
+    abl = _curve_ablation(tmp_path, **_DESIGN)
+    fake = CurveRuns({"baseline": 0.3, "kv": 0.7, "same": 0.3})
+    run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    committed = tmp_path / "committed.json"
+    committed.write_text((tmp_path / "out" / "ablation.json").read_text())
+    return abl, fake, committed
+
+
+def test_from_report_gives_the_comparisons_its_runs_gave(tmp_path):
+    import shutil
+
+    abl, fake, committed = _reported_ablation(tmp_path)
+    first = json.loads(committed.read_text())
+    for variant, seed in (("baseline", 1), ("kv", 0), ("kv", 2), ("same", 1)):
+        shutil.rmtree(tmp_path / "out" / "runs" / variant / f"seed_{seed}")
+    trained, logged = len(fake.trained), []
+    run_ablation(load_ablation_config(abl, from_report=str(committed)), train_fn=fake.train, eval_fn=fake.eval,
+                 log=logged.append)
+    assert len(fake.trained) == trained  # the recorded runs count as finished
+    assert f"[2/9] kv seed 0: from report {committed}" in logged and "[1/9] baseline seed 0: finished, skipped" in logged
+    again = json.loads((tmp_path / "out" / "ablation.json").read_text())
+    for key in ("variants", "primary"):  # every per-variant number and comparison, to the byte
+        assert json.dumps(again[key]) == json.dumps(first[key])
+    assert again["from_report"] == {"path": str(committed), "runs": {"baseline": [1], "kv": [0, 2], "same": [1]},
+                                    "without_items": {}}
+    md = (tmp_path / "out" / "ablation.md").read_text()
+    assert f"**Runs from an earlier report:** not run here but read from `{committed}`" in md
+    assert "+KV seed(s) 0, 2" in md and "the training curves leave them out." in md
+
+    # a fresh machine: every run from the report, no curve left to plot (and no crash)
+    fresh = tmp_path / "fresh"
+    run_ablation(load_ablation_config(abl, from_report=str(committed), output_dir=str(fresh)), train_fn=fake.train,
+                 eval_fn=fake.eval, log=lambda s: None)
+    again = json.loads((fresh / "ablation.json").read_text())
+    assert len(fake.trained) == trained and json.dumps(again["variants"]) == json.dumps(first["variants"])
+    assert not (fresh / "ablation_curves.png").exists()
+
+    # a report written before runs recorded their items: the seed-level tests stay, the item-level ones say so
+    old = json.loads(committed.read_text())
+    for row in old["variants"].values():
+        for r in row["runs"].values():
+            del r["items"]
+    committed.write_text(json.dumps(old))
+    run_ablation(load_ablation_config(abl, from_report=str(committed), output_dir=str(tmp_path / "old")),
+                 train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    report = json.loads((tmp_path / "old" / "ablation.json").read_text())
+    cmp_, was = report["variants"]["kv"]["vs_baseline"], first["variants"]["kv"]["vs_baseline"]
+    assert cmp_["ttest"] == was["ttest"] and cmp_["welch"] == was["welch"] and cmp_["steps"] == was["steps"]
+    assert cmp_["items"] == 0 and cmp_["permutation_p"] is None
+    assert report["from_report"]["without_items"] == {"baseline": [0, 1, 2], "kv": [0, 1, 2], "same": [0, 1, 2]}
+    assert "9 of them have no per-item record" in (tmp_path / "old" / "ablation.md").read_text()
+
+
+def test_from_report_of_another_design_or_no_report_is_refused_and_writes_nothing(tmp_path):
+    abl, _, committed = _reported_ablation(tmp_path)
+    changed = _write_yaml(tmp_path / "b.yaml", {**yaml.safe_load(abl.read_text()), "overrides": {"max_steps": 20}})
+    fresh = tmp_path / "fresh"
+    not_json, not_report = tmp_path / "ablation.md", tmp_path / "summary.json"
+    not_json.write_text("# Ablation\n")
+    not_report.write_text(json.dumps({"accuracy": 0.5}))
+    for yaml_path, path, message in ((changed, committed, r"its runs were made under config hash .* \(another design\)"),
+                                     (abl, tmp_path / "nope.json", "no such file"),
+                                     (abl, not_json, "is not an ablation report"),
+                                     (abl, not_report, "is not an ablation report")):
+        with pytest.raises(AblationError, match=message) as err:
+            main(["--config", str(yaml_path), "--output_dir", str(fresh), "--from_report", str(path)])
+        assert "\n" not in str(err.value) and "from_report" in str(err.value)
+        assert not fresh.exists()
+
+
+def test_a_run_dir_wins_over_the_report_and_from_report_is_a_yaml_key(tmp_path):
+    import shutil
+
+    _, fake, committed = _reported_ablation(tmp_path)
+    made = json.loads(committed.read_text())
+    tampered = copy.deepcopy(made)
+    tampered["variants"]["kv"]["runs"]["1"]["accuracy"] = 0.0  # not what the run dir holds
+    committed.write_text(json.dumps(tampered))
+    shutil.rmtree(tmp_path / "out" / "runs" / "kv" / "seed_0")
+    abl = _curve_ablation(tmp_path, **_DESIGN, from_report=str(committed))  # not part of the design: same hash
+    logged = []
+    run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=logged.append)
+    report = json.loads((tmp_path / "out" / "ablation.json").read_text())
+    assert report["variants"]["kv"]["runs"]["1"] == made["variants"]["kv"]["runs"]["1"]
+    assert report["from_report"]["runs"] == {"kv": [0]}
+    assert "[5/9] kv seed 1: finished, skipped" in logged and f"[2/9] kv seed 0: from report {committed}" in logged

@@ -37,6 +37,12 @@ answer NLL's tests, and log-rank / Mann–Whitney for steps to `threshold`. `hyp
 (`kvdistill.evaluate.prereg`); the report opens with the primary result in words. The hash covers
 the YAML's full design, so `--variants a,b` (a YAML variant by its name) and `--seeds` run part of
 it first and the rest later under the same record.
+
+`from_report: PATH` (or `--from_report`) continues such a sweep on a machine without the earlier runs: a run
+of the plan with no finished run under `output_dir` but recorded in PATH (an ablation.json of the same
+config hash) counts as finished with its recorded numbers, per-item correctness included, so the
+comparisons equal those from its run dir; a run dir present always wins. Recorded runs have no
+per-step metrics: the training curves leave them out.
 """
 
 from __future__ import annotations
@@ -314,6 +320,9 @@ class AblationConfig:
                            "and train every seed from it; fp32 captures give the live runs' losses.")
     keep_going: bool = option(False, "Log a failed run and go on with the others.")
     report_only: bool = option(False, "Train nothing; rebuild the report from finished runs.")
+    from_report: str | None = option(None, "The ablation.json of an earlier run of this YAML (same config hash): a "
+                                     "run of the plan with no finished run in output_dir counts as finished with the "
+                                     "numbers recorded there instead of being run (a fresh machine continues a sweep).")
     list_variants: bool = option(False, "Print the built-in variants and sets, and exit.")
     config_file: str | None = option(None, "The ablation YAML (set by --config).")
 
@@ -362,6 +371,8 @@ class AblationConfig:
         if unknown:
             raise AblationError(f"eval: unknown keys {sorted(unknown)}; allowed {sorted(eval_keys)}")
         self.base_config = self._find_base_config()
+        self.earlier_report = read_earlier_report(self.from_report, preregistration(self)["config_hash"]
+                                                  ) if self.from_report else None
 
     def _find_base_config(self) -> str:
         if not self.base_config:
@@ -679,6 +690,9 @@ def run_ablation(
         if evaluated(rdir / EVAL_DIR):
             log(f"{tag}: finished, skipped")
             continue
+        if recorded_run(cfg, variant.name, seed) is not None:
+            log(f"{tag}: from report {cfg.from_report}")
+            continue
         rdir.mkdir(parents=True, exist_ok=True)
         done = trained(rdir)  # only its evaluation is left: no capture needed
         if not done:
@@ -698,6 +712,55 @@ def run_ablation(
 
 
 # ----------------------------------------------------------------------------- reading runs
+
+# what the report records of each run (`variants[v].runs[seed]`), besides its per-item correctness
+_RUN_KEYS = ("accuracy", "ci_low", "ci_high", "n", "perplexity", "ce", "kv_loss", "cos_sim", "relation_kl",
+             "global_step", "answer_nll", "steps", "agreement")
+
+
+def read_earlier_report(path: str, config_hash: str) -> dict[str, Any]:
+    """The ablation report at `path` (`from_report`), refused unless its runs are of the design that hashes
+    to `config_hash` (`preregistration`)."""
+    fix = "pass the ablation.json that `kvdistill ablate` wrote for this YAML"
+    if not Path(path).is_file():
+        raise AblationError(f"from_report {path}: no such file; {fix}")
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        report = None
+    rows = report.get("variants") if isinstance(report, dict) else None
+    saved = (report.get("preregistration") or {}).get("config_hash") if isinstance(report, dict) else None
+    if not (isinstance(rows, dict) and saved and all(
+            isinstance(row, dict) and isinstance(row.get("runs"), dict) and all(
+                isinstance(r, dict) and isinstance(r.get("accuracy"), (int, float)) for r in row["runs"].values())
+            for row in rows.values())):
+        raise AblationError(f"from_report {path} is not an ablation report (no per-variant runs with an accuracy and "
+                            f"a preregistration config_hash); {fix}")
+    if saved != config_hash:
+        raise AblationError(f"from_report {path}: its runs were made under config hash {saved}, this YAML's is "
+                            f"{config_hash} (another design); restore the YAML that report was made with, or run "
+                            "those seeds here")
+    return report
+
+
+def recorded_run(cfg: AblationConfig, variant: str, seed: int) -> dict[str, Any] | None:
+    """Run `seed` of `variant` as `cfg.from_report` recorded it, in `read_run`'s shape plus answer_nll, agreement and
+    steps; None when it is not recorded (or there is no earlier report). It has no per-step metrics (the curves)
+    and no environment, and per-item correctness only where the report recorded it."""
+    row = ((cfg.earlier_report or {}).get("variants") or {}).get(variant) or {}
+    rec = row.get("runs", {}).get(str(seed))
+    if rec is None:
+        return None
+    steps = rec.get("steps")
+    return {**{k: rec.get(k) for k in _RUN_KEYS}, "agreement": rec.get("agreement") or {},
+            "steps": None if steps is None else tuple(steps),  # JSON made the (steps, reached) pair a list
+            "teacher_control": row.get("teacher_control"), "environment": None, "metrics": [],
+            "items": {i: c == "1" for i, c in enumerate(rec.get("items") or "") if c != "-"}}
+
+
+def _items_text(items: Mapping[int, bool]) -> str:
+    """Per-item correctness by index as the report stores it: character i is "1" (correct), "0" or "-" (no item i)."""
+    return "".join("-" if i not in items else "1" if items[i] else "0" for i in range(max(items, default=-1) + 1))
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -784,15 +847,20 @@ def _control(cfg: AblationConfig, v: Variant, per_seed: Mapping[int, Mapping[str
 
 def summarize(cfg: AblationConfig) -> dict[str, Any]:
     """Read every finished run and compute the per-variant numbers and the comparisons."""
-    runs = {
-        v.name: {s: r for s in cfg.seeds if (r := read_run(run_dir(cfg, v.name, s))) is not None}
-        for v in cfg.variants
-    }
-    for name, per_seed in runs.items():  # the continuous metrics: answer NLL, steps to the threshold
-        for s, r in per_seed.items():
-            r["answer_nll"] = read_json(run_dir(cfg, name, s) / "eval" / "summary.json", {}).get("answer_nll")
-            r["agreement"] = _agreement(read_json(run_dir(cfg, name, s) / TRAIN_SUMMARY, {}).get("final") or {})
-            r["steps"] = steps_to_threshold(r["metrics"], cfg.threshold, r["global_step"]) if cfg.threshold else None
+    runs: dict[str, dict[int, dict[str, Any]]] = {v.name: {} for v in cfg.variants}
+    from_report: dict[str, list[int]] = {}
+    for name, per_seed in runs.items():
+        for s in cfg.seeds:
+            rdir = run_dir(cfg, name, s)
+            if (r := read_run(rdir)) is not None:  # a run made here wins over the earlier report's record
+                r["answer_nll"] = read_json(rdir / EVAL_DIR / EVAL_SUMMARY, {}).get("answer_nll")
+                r["agreement"] = _agreement(read_json(rdir / TRAIN_SUMMARY, {}).get("final") or {})
+                r["steps"] = steps_to_threshold(r["metrics"], cfg.threshold, r["global_step"]) if cfg.threshold else None
+            elif (r := recorded_run(cfg, name, s)) is not None:
+                from_report.setdefault(name, []).append(s)
+            else:
+                continue
+            per_seed[s] = r
     variants: dict[str, Any] = {}
     for v in cfg.variants:
         per_seed = runs[v.name]
@@ -806,27 +874,9 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
         row["agreement"] = {k: dict(zip(("mean", "std", "n"), mean_std([r["agreement"].get(k) for r in
                                                                          per_seed.values()])))
                             for k in sorted({k for r in per_seed.values() for k in r["agreement"]})}
-        row["runs"] = {
-            str(s): {
-                k: r[k]
-                for k in (
-                    "accuracy",
-                    "ci_low",
-                    "ci_high",
-                    "n",
-                    "perplexity",
-                    "ce",
-                    "kv_loss",
-                    "cos_sim",
-                    "relation_kl",
-                    "global_step",
-                    "answer_nll",
-                    "steps",
-                    "agreement",
-                )
-            }
-            for s, r in sorted(per_seed.items())
-        }
+        # the items too, so a later `from_report` gives the item-level tests their pairs
+        row["runs"] = {str(s): {**{k: r[k] for k in _RUN_KEYS}, "items": _items_text(r["items"])}
+                       for s, r in sorted(per_seed.items())}
         steps = list(_values(per_seed, "steps").values())
         row["steps_to_threshold"] = {"n": len(steps), "reached": sum(r for _, r in steps),
                                      "median": median_steps([s for s, _ in steps], [r for _, r in steps])}
@@ -869,6 +919,10 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
         "threads": cfg.threads,
         "environments": [json.loads(e) for e in sorted(environments)],
         "variants": variants,
+        # the runs not made here but read from the earlier report, and those of them it has no items of
+        "from_report": {"path": cfg.from_report, "runs": from_report, "without_items": {
+            name: [s for s in seeds if not runs[name][s]["items"]] for name, seeds in from_report.items()
+            if any(not runs[name][s]["items"] for s in seeds)}} if from_report else None,
         "_curves": {name: {s: r["metrics"] for s, r in per_seed.items()} for name, per_seed in runs.items()},
     }
 
@@ -980,6 +1034,15 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         ]
     if report.get("failures"):
         lines += ["", "**Failed runs:**", *[f"- {f}" for f in report["failures"]]]
+    earlier = report.get("from_report")
+    if earlier:
+        listed = "; ".join(f"{label.get(name, name)} seed(s) {', '.join(map(str, seeds))}"
+                           for name, seeds in earlier["runs"].items())
+        no_items = sum(len(seeds) for seeds in earlier["without_items"].values())
+        lines += ["", f"**Runs from an earlier report:** not run here but read from `{earlier['path']}` (same config "
+                  f"hash): {listed}. They have no per-step metrics, so the training curves leave them out"
+                  + (f"; {no_items} of them have no per-item record, so the item-level tests (permutation, bootstrap) "
+                     "pool only the seeds whose runs have one" if no_items else "") + "."]
     lines += [
         "",
         "## Runs",
@@ -1107,10 +1170,11 @@ def main(argv: list[str]) -> int:
         for name, members in VARIANT_SETS.items():
             print(f"set {name:<14} {', '.join(members)}")
         return 0
-    if cfg.report_only and not any(evaluated(run_dir(cfg, v.name, s) / EVAL_DIR) for v in cfg.variants
-                                   for s in cfg.seeds):
+    if cfg.report_only and not any(evaluated(run_dir(cfg, v.name, s) / EVAL_DIR) or recorded_run(cfg, v.name, s)
+                                   for v in cfg.variants for s in cfg.seeds):
         raise AblationError(f"--report_only: {cfg.output_dir} holds no finished run of this ablation's variants and "
-                            "seeds; run the ablation first, or pass the --output_dir it ran in")
+                            "seeds (nor does --from_report); run the ablation first, or pass the --output_dir it ran "
+                            "in")
     check_output_dir(cfg.output_dir)
     if cfg.report_only:
         report = summarize(cfg)
