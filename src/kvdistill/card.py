@@ -43,6 +43,10 @@ trained with kvdistill on its labels only (no teacher)
 **Control run** (`teacher_control: {{ control }}`): trained against a control target, not a teacher's
 knowledge; it is the yardstick a distilled student must beat (docs/evaluation.md), not a student to use.
 
+{% elif control_teachers %}
+**Control teachers** ({{ control_teachers }}): their signal is a control target, not a teacher's knowledge;
+the run is a yardstick a distilled student must beat (docs/evaluation.md), not a student to use.
+
 {% endif %}It is a plain `transformers` model: `aligners/` and `kvdistill_modules.safetensors` serve only to
 resume training.
 
@@ -95,7 +99,8 @@ def card_info(
 
     Args:
         config: the run's options (`KVDistillConfig.to_yaml_dict()`).
-        teachers: the teacher manifest, `[{name, path, config_hash, weight}]`.
+        teachers: the teacher manifest, `[{name, path, config_hash, weight}]` (a control teacher's entry gets
+            its `control`).
         sections: `{section of SECTIONS: option names it shows}` (`train.config.card_sections()`).
         step: optimizer step of the saved weights.
         layer_maps: `{teacher: M [L_s, L_t]}` (tensor, array or nested lists).
@@ -107,6 +112,13 @@ def card_info(
     def pick(section: str) -> dict[str, Any]:
         return {k: config[k] for k in sections.get(section, ()) if k in config}
 
+    # a control teacher's entry names its control: its own (`control`, in the config's teachers), else the run's
+    own = {t.get("name"): t.get("control") for t in config.get("teachers") or [] if isinstance(t, Mapping)}
+    entries = []
+    for t in teachers:
+        entry = {k: t.get(k) for k in ("name", "path", "config_hash", "weight")}
+        control = own.get(t.get("name")) or config.get("teacher_control", "none")
+        entries.append(entry if control == "none" else {**entry, "control": control})
     maps = {}
     for name, matrix in (layer_maps or {}).items():
         rows = matrix.tolist() if hasattr(matrix, "tolist") else matrix  # [L_s][L_t]
@@ -115,7 +127,7 @@ def card_info(
         "name": Path(str(config.get("output_dir") or "student")).name,
         "base_model": config.get("student"),
         "step": step,
-        "teachers": [{k: t.get(k) for k in ("name", "path", "config_hash", "weight")} for t in teachers],
+        "teachers": entries,
         "signals": pick("signals"),
         "alignment": pick("alignment"),
         "layer_maps": maps,
@@ -152,6 +164,8 @@ def render_card(info: Mapping[str, Any]) -> ModelCard:
         n_teachers=len(info.get("teachers", [])),
         prompt_template=info.get("data", {}).get("prompt_template", "Question: {question}\nAnswer:"),
         control=info.get("control"),
+        control_teachers=", ".join(f"`{t['name']}: {t['control']}`" for t in info.get("teachers", [])
+                                   if t.get("control", "none") != "none"),
         teachers_table=_teachers_table(info.get("teachers", [])),
         signals_table=_signals_table(info.get("signals", {})),
         alignment_table=_options_table(info.get("alignment", {})),
@@ -211,8 +225,9 @@ def record_evaluation(model_dir: str | Path, result: Mapping[str, Any]) -> Path 
 def _teachers_table(teachers: Sequence[Mapping[str, Any]]) -> str:
     if not teachers:
         return "None: the student learned from the labels only.\n"
-    return markdown_table(["teacher", "model", "fusion weight", "config hash"],
-                          [[t["name"], f"`{t['path']}`", t["weight"], f"`{t['config_hash']}`"] for t in teachers])
+    return markdown_table(["teacher", "model", "fusion weight", "config hash", "control"],
+                          [[t["name"], f"`{t['path']}`", t["weight"], f"`{t['config_hash']}`",
+                            t.get("control", "none")] for t in teachers])
 
 
 def _signals_table(s: Mapping[str, Any]) -> str:

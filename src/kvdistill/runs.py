@@ -149,6 +149,7 @@ def read_run(rdir: str | Path) -> dict[str, Any] | None:
         "relation_kl": final.get("relation_kl"),
         "global_step": train.get("global_step"),
         "teacher_control": train.get("teacher_control"),
+        "teacher_controls": train.get("teacher_controls"),  # per teacher (absent from runs made before them)
         "environment": train.get("environment"),
         "items": items,
         "metrics": read_jsonl(rdir / METRICS),

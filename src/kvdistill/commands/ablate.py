@@ -458,8 +458,8 @@ def eval_settings_for(cfg: AblationConfig, train_cfg: Mapping[str, Any]) -> dict
 
 def capture_dir_for(cfg: AblationConfig, variant: Variant, train_cfg: Mapping[str, Any]) -> Path | None:
     """Where `capture: true` stores a run's teachers: one capture per variant, shared by its seeds,
-    and per seed for the untrained control; None for a run without teachers, without a teacher signal or
-    on-policy (`lmbda > 0` or `seq_kd`)."""
+    and per seed for the untrained and permuted controls (run-wide or of one teacher); None for a run
+    without teachers, without a teacher signal or on-policy (`lmbda > 0` or `seq_kd`)."""
     if not cfg.capture or not train_cfg.get("teachers"):
         return None
     # `KVDistillConfig.teacher_signal` on the unparsed YAML (class attributes hold the defaults)
@@ -470,7 +470,10 @@ def capture_dir_for(cfg: AblationConfig, variant: Variant, train_cfg: Mapping[st
     # on-policy / seq_kd runs teach on text generated during training: they read live teachers (and refuse a capture)
     if float(train_cfg.get("lmbda", KVDistillConfig.lmbda)) > 0 or train_cfg.get("seq_kd", KVDistillConfig.seq_kd):
         return None
-    per_seed = train_cfg.get("teacher_control") in ("untrained", "permuted")  # weights / map drawn from the seed
+    teachers = to_plain(train_cfg["teachers"])
+    own = [t.get("control") for t in (teachers if isinstance(teachers, list) else [teachers]) if isinstance(t, dict)]
+    # weights / map drawn from the seed, for every teacher or one (its own `control`)
+    per_seed = bool({train_cfg.get("teacher_control"), *own} & {"untrained", "permuted"})
     return Path(cfg.output_dir) / "captures" / (f"{variant.name}_seed{train_cfg['seed']}" if per_seed else variant.name)
 
 

@@ -350,6 +350,8 @@ def aligner_rows(cfg: KVDistillConfig, specs: list[TeacherConfig], comps: list[C
     student, aligners, rows = comps[0], {}, []
     kind = "cka -> proportional" if planned["layer_map"] == "cka" else cfg.layer_map
     for t, spec in zip(comps[1:], specs):
+        if spec.weight == 0:  # logits only: outside the fusion, no aligner (as build_trainer)
+            continue
         dims = aligner_dims(kv_dims(t.model), kv_dims(student.model))
         if cfg.kv_loss == "relation":
             check_relation_heads(cfg, t.name, dims)

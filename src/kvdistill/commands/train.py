@@ -47,6 +47,7 @@ def run_training(cfg: KVDistillConfig) -> Path:
             "final": final_metrics(out / METRICS),
             "teachers": trainer.teachers.manifest(),
             "teacher_control": cfg.teacher_control,  # a control run is labelled as one (ablate's report)
+            "teacher_controls": cfg.teacher_controls,  # each teacher's: its own `control`, else teacher_control
             "transfer_records": len(trainer.data_collator.transfer),
             "student": cfg.student,
             "environment": environment(),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -136,7 +136,7 @@ def _layer_map(cfg: KVDistillConfig, spec, student, teacher) -> torch.Tensor:
         raise ConfigError(f"teacher {spec.name}: {err}") from None
 
 
-def teacher_correctness(cfg: KVDistillConfig, teachers: TeacherSet, records: list[dict]) -> torch.Tensor:
+def teacher_correctness(cfg: KVDistillConfig, teachers: Iterable[Teacher], records: list[dict]) -> torch.Tensor:
     """`[num_records, N]` 0/1: did each teacher's greedy answer match the gold one (cached on disk).
 
     Under several processes the main one answers and writes the cache first; the others wait
@@ -228,8 +228,9 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True, log: Callable[[
         logger.warning("use_chat_template: the student's tokenizer (%s) has no chat template; prompts are formatted "
                        "with prompt_template", cfg.student)
     student = cpu_student_dtype(load_model(student_dir, dtype=cfg.student_dtype), cfg)
+    controls = cfg.teacher_controls  # each teacher's own control, else the run's
     # the oracle control runs no teacher: only its architecture (layer count) is read, on the meta device
-    teachers = [load_teacher(s, tokenizer, untrained=cfg.teacher_control == "untrained", seed=cfg.seed,
+    teachers = [load_teacher(s, tokenizer, untrained=controls[s.name] == "untrained", seed=cfg.seed,
                              weights=teacher_weights and cfg.teacher_control != "oracle") for s in specs]
     # before the latent slot token joins the student's tokenizer (teachers never read it)
     for name, model, tok in [(f"student {cfg.student}", student, tokenizer),
@@ -246,17 +247,17 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True, log: Callable[[
         # the slot token is new to the student: one more embedding row (mean-initialised)
         student.resize_token_embeddings(len(tokenizer))
     # privileged teachers read the full rationale, permuted ones their rewritten text: never the student's tokens
-    if cfg.student_input != "full" or cfg.teacher_control == "permuted":
-        for t in teachers:
+    for t in teachers:
+        if cfg.student_input != "full" or controls[t.name] == "permuted":
             t.shares_student_tokens = False
     rewrite = (TextPermutation.seeded(cfg.permute, cfg.permute_vocab, cfg.seed)
-               if cfg.teacher_control == "permuted" else None)
+               if "permuted" in controls.values() else None)
     views = {
-        t.name: TeacherView(t.tokenizer, s.rationale_field, rewrite)
+        t.name: TeacherView(t.tokenizer, s.rationale_field, rewrite if controls[t.name] == "permuted" else None)
         for t, s in zip(teachers, specs) if not t.shares_student_tokens
     }
     for t, s in zip(teachers, specs):  # how each teacher's logits teach (resolved at any weight: captures read it)
-        same_text = s.rationale_field is None and cfg.student_input == "full" and cfg.teacher_control != "permuted"
+        same_text = s.rationale_field is None and cfg.student_input == "full" and controls[t.name] != "permuted"
         t.logit_kd, why = resolve_logit_kd(s.logit_kd, t.name, t.shares_student_tokens, same_text)
         t.head_hidden = head_hidden(cfg, t)
         if cfg.logit_kd_weight > 0:
@@ -332,7 +333,7 @@ def capture_forms(cfg: KVDistillConfig, run: RunInputs, t: Teacher, spec: Teache
     """`{option: its entries in a capture's settings}` for the `teacher_outputs` options whose value
     alone would say too much or too little (every other one enters the settings as its value)."""
     weights = weights_fingerprint(spec.path)
-    if cfg.teacher_control == "untrained":  # random-init copies, drawn from the seed
+    if cfg.teacher_controls[spec.name] == "untrained":  # random-init copies, drawn from the seed
         weights += f":untrained:{cfg.seed}"
     positions = {}
     if cfg.capture_keep < 1:  # a share of each rationale's positions, picked by one method
@@ -344,7 +345,7 @@ def capture_forms(cfg: KVDistillConfig, run: RunInputs, t: Teacher, spec: Teache
     return {
         "teachers": {},  # each teacher's own options below
         "path": {"config_hash": t.config_hash, "weights": weights},
-        "teacher_control": {},  # in `weights`
+        "teacher_control": {}, "control": {},  # in `weights` (untrained) or `tokens` (permuted)
         "name": {"teacher": t.name},
         "dtype": {"dtype": str(spec.dtype)},
         # the teacher layers this run's layer map reads, and no other
@@ -361,7 +362,8 @@ def captured_head(cfg: KVDistillConfig, spec: TeacherConfig, tokenizer: Any) -> 
     tied embeddings and quantization included) and only its head is kept: one code path, rather than a head
     stored in every capture (V × d, 1 GB for a 7B teacher) or picked out of the checkpoint's files by name.
     The capture's settings hold the weights' fingerprint, so this is the head the capture was made with."""
-    model = load_teacher(spec, tokenizer, untrained=cfg.teacher_control == "untrained", seed=cfg.seed).model
+    untrained = cfg.teacher_controls[spec.name] == "untrained"
+    model = load_teacher(spec, tokenizer, untrained=untrained, seed=cfg.seed).model
     lm = model.get_output_embeddings()
     return lm.weight.to(cfg.device), None if lm.bias is None else lm.bias.to(cfg.device)
 
@@ -400,6 +402,8 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
             skv = extract_kv(student, probe["input_ids"].to(cfg.device), probe["attention_mask"].to(cfg.device),
                              probe["segment_ids"].to(cfg.device), key_space=cfg.key_space)
         for t, s in zip(teachers, specs):
+            if t.weight == 0:  # logits only: outside the fusion, no aligner
+                continue
             src = teacher_view(probe, t.name)
             # the outputs training reads (so a captured teacher serves the probe from its capture)
             _, key_space, hidden, logits, queries = cache_key(cfg, t)
@@ -419,9 +423,9 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
             aligners[t.name] = aligner
             if cfg.codi_weight > 0:
                 codi_dims[t.name] = (t.model.config.hidden_size, student.config.hidden_size)
-    correctness = teacher_correctness(cfg, teacher_set, records) if cfg.fusion == "correctness" and teachers else None
-    weights = [t.weight for t in teachers] or [1.0]
-    fusion = TeacherFusion(cfg.fusion if teachers else "loss_sum", weights, correctness)
+    fused = [t for t in teachers if t.weight > 0]  # the fusion's teachers, in the aligners' order
+    correctness = teacher_correctness(cfg, fused, records) if cfg.fusion == "correctness" and fused else None
+    fusion = TeacherFusion(cfg.fusion if fused else "loss_sum", [t.weight for t in fused] or [1.0], correctness)
     model = KVDistillModel(
         student, aligners, fusion, _kv_loss(cfg),
         LossWeights(cfg.ce_weight, cfg.codi_weight, cfg.logit_kd_weight, cfg.logit_kd_kind, cfg.logit_kd_temperature,

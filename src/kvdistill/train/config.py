@@ -57,8 +57,9 @@ class TeacherConfig:
     path: str = option(None, "Teacher model: Hub id or local directory. Required.", affects="teacher_outputs")
     name: str | None = option(None, "Name in logs, checkpoints and layer-map files (default: last part of path).",
                               affects="teacher_outputs")
-    weight: float = option(1.0, "Fusion weight (normalised over teachers).",
-                           affects="student_loss", valid=">= 0")
+    weight: float = option(1.0, "Fusion weight (normalised over the teachers of weight > 0; it scales their KV, CODI "
+                           "and logit KD). 0: logits only: no KV or CODI from it (no aligner), its logit KD counted "
+                           "in full, as in a run with it alone.", affects="student_loss", valid=">= 0")
     dtype: str = option("auto", "Weights dtype: auto | fp32 | bf16 | fp16.", affects="teacher_outputs")
     quantization: str | None = option(None, "null | 4bit | 8bit (bitsandbytes); never applied unless asked.",
                                       affects="teacher_outputs")
@@ -81,6 +82,10 @@ class TeacherConfig:
                            "docs/training.md), off; auto: same_vocab or cross_vocab by its tokenizer, off when it "
                            "reads another text (rationale_field, permuted). Logged per teacher.",
                            affects="teacher_outputs")
+    control: str | None = option(None, f"This teacher's control {tuple(c for c in TEACHER_CONTROLS if c != 'oracle')} "
+                                 "(default: the run's `teacher_control`): e.g. logit KD from a teacher and the KV "
+                                 "signal from its untrained copy, the same path listed twice (docs/training.md).",
+                                 affects="teacher_outputs")
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -93,6 +98,11 @@ class TeacherConfig:
         if self.logit_kd is False:  # YAML reads a bare `off` as false
             self.logit_kd = "off"
         check_choice(f"teacher {self.name}: logit_kd", self.logit_kd, LOGIT_KD_MODES)
+        if self.control == "oracle":  # no teacher runs under it: it replaces every teacher of the run
+            raise ConfigError(f"teacher {self.name}: control oracle replaces every teacher, not one; set the run's "
+                              "teacher_control: oracle")
+        if self.control is not None:
+            check_choice(f"teacher {self.name}: control", self.control, TEACHER_CONTROLS)
 
 
 @dataclass
@@ -389,7 +399,8 @@ class KVDistillConfig(TrainingArguments):
                               "--fp16, or use --bf16 on CPU")
         # one model read the same way twice is one teacher counted twice (another rationale is not)
         views = [(str(Path(str(t.path)).resolve()) if Path(str(t.path)).exists() else str(t.path), t.tokenizer,
-                  t.rationale_field, t.dtype, t.quantization) for t in self.teacher_configs]
+                  t.rationale_field, t.dtype, t.quantization, self.teacher_controls[t.name])
+                 for t in self.teacher_configs]
         repeated = [v[0] for v in views if views.count(v) > 1]
         if repeated:
             raise ConfigError(f"teacher {repeated[0]} is listed twice with the same settings; list it once (its "
@@ -417,12 +428,12 @@ class KVDistillConfig(TrainingArguments):
         if self.kv_loss == "relation" and self.fusion == "kv_mean":
             raise ConfigError("fusion: kv_mean averages projected teacher KVs; kv_loss relation has no projector, "
                               "use fusion: loss_sum (or learned / correctness)")
-        if self.teacher_control == "shuffled" and self.per_device_train_batch_size < 2:
+        if "shuffled" in self.teacher_controls.values() and self.per_device_train_batch_size < 2:
             raise ConfigError("teacher_control: shuffled pairs each sample with another sample of its batch; set "
                               "per_device_train_batch_size >= 2")
-        if self.logit_kd_weight > 0 and (self.teacher_control == "shuffled" or self.student_input != "full"):
-            raise ConfigError("logit KD compares teacher and student on the same tokens; it cannot run with "
-                              "teacher_control: shuffled or a shortened student_input (set logit_kd_weight: 0)")
+        if self.logit_kd_weight > 0 and self.student_input != "full":
+            raise ConfigError("logit KD compares teacher and student on the same tokens; it cannot run with a "
+                              "shortened student_input (set logit_kd_weight: 0)")
         self._check_on_policy()
         for key in ("field_map", "transfer_field_map"):
             value = getattr(self, key)
@@ -461,7 +472,7 @@ class KVDistillConfig(TrainingArguments):
             if not _is_model_ref(t.path):
                 raise ConfigError(f"teacher {t.name}: path {t.path!r} does not exist; give a local model "
                                   "directory or a Hub id")
-            if self.layer_map == "cka" and self.kv_weight > 0:
+            if self.layer_map == "cka" and self.kv_weight > 0 and t.weight > 0:  # weight 0: no KV read
                 if t.layer_map is None:
                     raise ConfigError(f"layer_map: cka but teacher {t.name} has no layer_map JSON; run "
                                       "`kvdistill layer-map` and set the teacher's `layer_map:` path")
@@ -473,24 +484,40 @@ class KVDistillConfig(TrainingArguments):
                               "or a Hub id")
 
     def _check_control(self) -> None:
-        """The options of the oracle / permuted / other_task controls, and what they cannot run with."""
+        """The options of the oracle / permuted / other_task controls (run-wide or per teacher), what they
+        cannot run with, and the teachers of weight 0 (logits only)."""
         c = self.teacher_control
-        if c in ("oracle", "permuted", "other_task") and not self.teacher_signal:
-            raise ConfigError(f"teacher_control: {c} controls a teacher signal; set kv_weight (or codi_weight / "
-                              "logit_kd_weight) > 0")
-        if c != "permuted" and (self.permute is not None or self.permute_vocab is not None):
+        used = {c, *self.teacher_controls.values()}
+        for d in ("oracle", "permuted", "other_task"):
+            if d in used and not self.teacher_signal:
+                raise ConfigError(f"teacher_control: {d} controls a teacher signal; set kv_weight (or codi_weight / "
+                                  "logit_kd_weight) > 0")
+        if "permuted" not in used and (self.permute is not None or self.permute_vocab is not None):
             raise ConfigError("permute / permute_vocab apply only with teacher_control: permuted; set it or drop them")
         if c != "oracle" and self.oracle_code != "onehot":
             raise ConfigError("oracle_code applies only with teacher_control: oracle; set it or drop oracle_code")
-        if c == "permuted":
+        if "permuted" in used:
             try:
                 TextPermutation.seeded(self.permute, self.permute_vocab, self.seed)
             except ValueError as err:
                 raise ConfigError(f"teacher_control: permuted: {err}") from None
-            if self.logit_kd_weight > 0:
-                raise ConfigError("logit KD compares teacher and student on the same tokens, which a permuted "
-                                  "teacher does not read; set logit_kd_weight: 0")
+        for t in self.teacher_configs:
+            own = self.teacher_controls[t.name]
+            # a shuffled teacher reads another sample, a permuted one another text: no position of its logits
+            # predicts the student's token (an untrained teacher's logits are a control of logit KD itself)
+            if own in ("shuffled", "permuted") and self.logit_kd_weight > 0 and t.logit_kd != "off":
+                raise ConfigError(f"teacher {t.name}: logit KD compares teacher and student on the same tokens, "
+                                  f"which a {own} teacher does not read; set its logit_kd: off (or logit_kd_weight: 0)")
+            if self.teacher_signal and t.weight == 0 and not (self.logit_kd_weight > 0 and t.logit_kd != "off"):
+                raise ConfigError(f"teacher {t.name} has weight 0 (logits only: no KV or CODI) but gives no logits "
+                                  "(logit_kd off or logit_kd_weight 0); give it a weight > 0 or drop it")
+        if (self.kv_weight > 0 or self.codi_weight > 0) and self.teacher_configs and \
+                all(t.weight == 0 for t in self.teacher_configs):
+            raise ConfigError("every teacher has weight 0 (logits only), so kv_weight / codi_weight read none; give "
+                              "a teacher weight > 0, or set kv_weight: 0 and codi_weight: 0")
         if c == "oracle":
+            if any(t.control is not None for t in self.teacher_configs):
+                raise ConfigError("teacher_control: oracle replaces every teacher; drop the teachers' own `control`")
             if self.kv_loss != "relation" or self.kv_weight <= 0:
                 raise ConfigError("teacher_control: oracle is a relation target; set kv_loss: relation and kv_weight > 0")
             if self.logit_kd_weight > 0 or self.codi_weight > 0:
@@ -521,8 +548,8 @@ class KVDistillConfig(TrainingArguments):
         if self.student_input != "full":
             raise ConfigError(f"{what}: the student writes its whole completion, so student_input must be full, got "
                               f"{self.student_input}")
-        if self.teacher_control in ("permuted", "oracle"):
-            raise ConfigError(f"{what}: teacher_control {self.teacher_control} reads per-record facts of the data's "
+        if {"permuted", "oracle"} & {self.teacher_control, *self.teacher_controls.values()}:
+            raise ConfigError(f"{what}: teacher_control permuted / oracle reads per-record facts of the data's "
                               "text, which generated text does not have; use none, untrained or shuffled")
         if self.fsdp:
             raise ConfigError(f"{what} generates every step, which under FSDP steps every rank's sharded forward in "
@@ -567,6 +594,11 @@ class KVDistillConfig(TrainingArguments):
         return any(getattr(self, k) > 0 for k in TEACHER_SIGNALS)
 
     @property
+    def teacher_controls(self) -> dict[str, str]:
+        """`{teacher name: its control}`: a teacher's own `control`, else the run's `teacher_control`."""
+        return {t.name: t.control or self.teacher_control for t in self.teacher_configs}
+
+    @property
     def active_teachers(self) -> list[TeacherConfig]:
         """The teachers this run reads: all of them under a teacher signal, none without one."""
         return self.teacher_configs if self.teacher_signal else []
@@ -606,7 +638,9 @@ class KVDistillConfig(TrainingArguments):
     def to_yaml_dict(self) -> dict:
         """The resolved config as plain YAML-able data (enums as strings, teachers as mappings)."""
         d = {k: v for k, v in self.to_dict().items() if not k.startswith("_") and k != "teacher_configs"}
-        d["teachers"] = [asdict(t) for t in self.teacher_configs]
+        # a teacher's control is written only when set: configs written before it existed still compare equal
+        d["teachers"] = [{k: v for k, v in asdict(t).items() if k != "control" or v is not None}
+                         for t in self.teacher_configs]
         return yaml.safe_load(yaml.safe_dump(d, default_flow_style=False, allow_unicode=True))
 
 

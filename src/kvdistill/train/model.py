@@ -195,8 +195,8 @@ class KVDistillModel(nn.Module):
             metrics["codi"] = (codi / input_ids.shape[0]).detach()
         if w.logit_kd > 0 and teacher_logits:
             kd = 0 if chunk else sum(  # chunked: the same-vocab KD is in the loss already
-                logit_kd_sum(out.logits, full_logits(t), labels, w.logit_kd_kind, w.temperature, sample_w[:, names.index(n)],
-                             beta=w.beta, vocab_size=self.vocab_size)
+                logit_kd_sum(out.logits, full_logits(t), labels, w.logit_kd_kind, w.temperature,
+                             logit_weights(n, sample_w, names), beta=w.beta, vocab_size=self.vocab_size)
                 for n, t in same.items()
             )
             kd = kd + self._cross_vocab_kd(out.logits if final is None else final, final is not None, labels,
@@ -296,7 +296,8 @@ class KVDistillModel(nn.Module):
         w = self.weights
         shift = lambda x: F.pad(x[:, 1:], (0, 1), value=-100)  # noqa: E731  [B, T]: the target each position predicts
         valid = (shift(labels) != -100).float()  # [B, T]
-        kd_w = torch.stack([valid * sample_w[:, names.index(n), None] for n in same]).flatten(1) if same else None
+        kd_w = (torch.stack([valid * logit_weights(n, sample_w, names)[:, None] for n in same]).flatten(1)
+                if same else None)  # [N_same, B·T]
         head = self.student.get_output_embeddings()
         return chunked_head_loss(
             final.flatten(0, 1), head.weight, head.bias, shift(lm_labels).flatten(),
@@ -325,7 +326,7 @@ class KVDistillModel(nn.Module):
             dev = t_logits.device
             total = total + cross_vocab_kd_sum(
                 rows, t_logits[b, t_pos[b, i]], lt.student_ids.to(dev), lt.teacher_ids.to(dev),
-                sample_w[b, names.index(n)], w.logit_kd_kind, w.temperature, beta=w.beta,
+                logit_weights(n, sample_w, names)[b], w.logit_kd_kind, w.temperature, beta=w.beta,
                 student_vocab=self.vocab_size, teacher_vocab=lt.vocab,
             )
             metrics[f"logit_kd_shared/{n}"] = float(b.numel()) / max(float(has_target.sum()), 1.0)
@@ -367,6 +368,13 @@ def target_counts(labels: Tensor, labelled: Tensor | None) -> Tensor:
         return torch.stack([kd, kd, kd])
     ce = (targets & labelled[:, None]).sum()
     return torch.stack([ce, kd, kd - ce])
+
+
+def logit_weights(name: str, sample_w: Tensor, names: list[str]) -> Tensor:
+    """`[B]` how much teacher `name`'s logit KD counts per sample: its fusion weight (`sample_w [B, N]` over the
+    fused teachers `names`), or 1 for a teacher outside the fusion (weight 0: logits only), whose logit KD
+    counts as in a run with it alone."""
+    return sample_w[:, names.index(name)] if name in names else sample_w.new_ones(sample_w.shape[0])
 
 
 def full_logits(t: Tensor | TeacherHead) -> Tensor:

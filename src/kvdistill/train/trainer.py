@@ -299,12 +299,13 @@ class KVDistillTrainer(Trainer):
                         ) -> tuple[dict[str, KVCache], dict[str, Any]]:
         """Every teacher's detached KV (and logits for logit KD: `[B, T, V]`, or a same-vocab teacher's final
         hidden states and head when the run's head losses are chunked, `Teacher.head_hidden`) on this batch,
-        controls applied.
+        controls applied (each teacher's own `control`, else the run's `teacher_control`).
 
-        - `teacher_control: shuffled`: every teacher reads another sample of the batch (one
-          derangement per step, shared by the teachers); the time alignment handles the lengths.
+        - `shuffled`: the teacher reads another sample of the batch (one derangement per step, shared
+          by the shuffled teachers); the time alignment handles the lengths.
         - `teacher_control: oracle`: no teacher runs; each gets the oracle target (`oracle_targets`).
           (`permuted` is applied by the collator, on the text each teacher reads.)
+        - a teacher of weight 0 gives logits only: its KV is read by no aligner, so none is returned.
         - a shortened `student_input`: each teacher's rationale is compressed onto the student's
           reasoning slots (`align.compress.compress_cache`, in that teacher's own time axis).
         """
@@ -313,28 +314,34 @@ class KVDistillTrainer(Trainer):
             return oracle_targets(self.teachers, inputs, token_fields, args, self.oracle_width), {}
         device = inputs["input_ids"].device
         B = inputs["input_ids"].shape[0]
-        perm = derangement(B, self._step_generator()).to(device) if args.teacher_control == "shuffled" else None
+        controls = args.teacher_controls
+        shuffled = derangement(B, self._step_generator()).to(device) if "shuffled" in controls.values() else None
         slots = (inputs["segment_ids"] == REASONING).sum(1)  # [B] the student's reasoning tokens
         compress = args.student_input != "full" and args.teacher_compression != "none"
-        index = inputs["index"] if perm is None else inputs["index"][perm]  # whose text each teacher reads
         need_kv = args.kv_weight > 0 or args.codi_weight > 0
         kvs, logits = {}, {}
         for t in self.teachers:
-            if not need_kv and t.logit_kd == "off":
-                continue  # logit KD only, and this teacher gives none
+            if t.logit_kd == "off" and not (need_kv and t.weight > 0):
+                continue  # this teacher gives nothing the loss reads
+            perm = shuffled if controls[t.name] == "shuffled" else None  # [B] whose text each sample's teacher reads
+            index = inputs["index"] if perm is None else inputs["index"][perm]
             src = teacher_inputs.get(t.name, inputs)
             ids, mask, seg = (src[k] if perm is None else src[k][perm] for k in ("input_ids", "attention_mask",
                                                                                   "segment_ids"))
             key_space, hidden, want_logits, queries = args.teacher_outputs(t.logit_kd)
-            kvs[t.name], out_logits = self.teachers.forward(
+            # the logits come with the KV of one forward (whose cache and capture keys are any run's)
+            kv, out_logits = self.teachers.forward(
                 t.name, ids, mask, seg, key_space=key_space, output_hidden_states=hidden,
                 return_logits=want_logits, queries=queries, index=index,
             )
-            if compress:
-                kvs[t.name], _ = compress_cache(kvs[t.name], slots, method=args.teacher_compression,
-                                                lam=args.compression_lambda, generator=self._step_generator(device))
             if out_logits is not None:
                 logits[t.name] = out_logits
+            if t.weight == 0:  # logits only: no aligner reads its KV
+                continue
+            if compress:
+                kv, _ = compress_cache(kv, slots, method=args.teacher_compression, lam=args.compression_lambda,
+                                       generator=self._step_generator(device))
+            kvs[t.name] = kv
         return kvs, logits
 
     def _nonfinite(self, what: str, model: torch.nn.Module) -> Tensor:
