@@ -10,7 +10,7 @@ from kvdistill.data import tokenize_example
 from kvdistill.fields import IGNORE
 from kvdistill.io import REPO_ROOT
 from kvdistill.models import load_tokenizer
-from kvdistill.regimes import build_models, probe_summary, read_models, read_settings, write_data
+from kvdistill.regimes import build_models, probe_summary, read_models, read_settings, teachers_of, write_data
 
 SPLITS = {"teacher_pool", "train", "dev", "teacher_dev", "test", "other_task", "other_task_dev"}
 MODULAR = dict(n_dev=10, n_test=10, n_teacher_dev=10, p=11, min_equations=2, max_equations=3)
@@ -135,6 +135,21 @@ def test_demo_settings_apply_quick_key_by_key_and_refuse_unknown_keys(tmp_path):
     path.write_text(path.read_text().replace("teacher_step: 3\n", "").replace("gate: 0.5", "gate: 90"))
     with pytest.raises(ConfigError, match="gate 90 is not an accuracy"):
         read_settings(path)
+
+
+def test_demo_teachers_pick_who_is_trained_and_unknown_names_are_refused(tmp_path):
+    models = read_models(REPO_ROOT / "configs" / "demo" / "modular" / "models.json")
+    assert set(teachers_of(models)) == {"teacher_qwen2", "teacher_llama", "teacher_other"}  # default: all
+    assert teachers_of(models, ["teacher_other"]) == {"teacher_other": ("other_task", "other_task_dev")}
+    for bad in (["teacher_gpt"], ["student"]):
+        with pytest.raises(ConfigError, match=rf"demo.yaml teachers: \['{bad[0]}'\] are not teachers"):
+            teachers_of(models, bad)
+    path = tmp_path / "demo.yaml"  # optional: without it every teacher is trained
+    path.write_text("data: {}\nteacher_steps: 1\ngate: 0.5\ncurve_steps: 2\ncurve_every: 1\ncurve_items: 2\n"
+                    "probe: {}\n")
+    assert read_settings(path).teachers is None
+    path.write_text(path.read_text() + "teachers: [teacher_qwen2]\n")
+    assert read_settings(path).teachers == ["teacher_qwen2"]
 
 
 def test_probe_summary_names_the_best_cell_and_the_one_training_added_most_to():

@@ -164,11 +164,16 @@ def write_data(task: str, knobs: dict[str, Any], out: str | Path, seed: int = 0)
     return sizes
 
 
-def teachers_of(models: Models) -> dict[str, tuple[str, str]]:
-    """`{name: (training split, gate split)}` of every model but the `student`."""
+def teachers_of(models: Models, only: list[str] | None = None) -> dict[str, tuple[str, str]]:
+    """`{name: (training split, gate split)}` of every model but the `student`, or of the models in `only`
+    (demo.yaml's `teachers:`; the others are still built, so every model keeps its seed)."""
+    unknown = sorted(set(only or ()) - set(models.models) | ({"student"} & set(only or ())))
+    if unknown:
+        raise ConfigError(f"demo.yaml teachers: {unknown} are not teachers of models.json; name some of "
+                          f"{sorted(set(models.models) - {'student'})}")
     out = {}
     for name, m in models.models.items():
-        if name == "student":
+        if name == "student" or (only is not None and name not in only):
             continue
         if m.data not in GATE_SPLIT:
             raise ConfigError(f"teacher {name} trains on {m.data!r}; a regime's teachers train on one of "
@@ -190,6 +195,7 @@ class DemoSettings:
     curve_every: int  # dev accuracy every N steps
     curve_items: int  # dev items per curve point
     probe: dict[str, Any]  # `kvdistill probe` options (target, rows, samples, max_length, ...) on dev
+    teachers: list[str] | None = None  # the models trained and gated as teachers (None: all but the student)
 
 
 def read_settings(path: str | Path, quick: bool = False) -> DemoSettings:
@@ -199,10 +205,10 @@ def read_settings(path: str | Path, quick: bool = False) -> DemoSettings:
     raw.pop("quick", None)
     raw = {k: {**raw[k], **v} if isinstance(v, dict) and isinstance(raw.get(k), dict) else v for k, v in
            {**raw, **over}.items()}
-    names = set(DemoSettings.__dataclass_fields__)
-    if set(raw) != names:
-        raise ConfigError(f"{path}: needs exactly the keys {sorted(names)} (and quick:); missing "
-                          f"{sorted(names - set(raw))}, unknown {sorted(set(raw) - names)}")
+    names, optional = set(DemoSettings.__dataclass_fields__), {"teachers"}
+    if not names - optional <= set(raw) <= names:
+        raise ConfigError(f"{path}: needs the keys {sorted(names - optional)} (optional: {sorted(optional)}, "
+                          f"quick:); missing {sorted(names - optional - set(raw))}, unknown {sorted(set(raw) - names)}")
     if not isinstance(raw["data"], dict) or not isinstance(raw["probe"], dict):
         raise ConfigError(f"{path}: data and probe must be mappings (make_splits knobs; kvdistill probe options)")
     if not 0 <= raw["gate"] <= 1:

@@ -294,10 +294,12 @@ def write_report(out: Path, rows: list[dict], curve: dict, transfer: int) -> Pat
 
 
 def train_teachers(out: Path, data: Path, init: dict[str, Path], teachers: dict[str, tuple[str, str, int]],
-                   config: Path, steps: int, seed: int, workers: int, gate: float) -> dict[str, bool]:
+                   config: Path, steps: int, seed: int, workers: int, gate: float,
+                   beside: dict[str, list[list[str]]] | None = None) -> dict[str, bool]:
     """Train each teacher `name: (training split, gate split, gate items)` from `init[name]` into
     `out/teachers/<name>` (`workers` at once, each evaluated on its gate split right after its training,
-    into `out/eval_<gate split>/<name>`); stop the demo at the first one below `gate`. Returns which
+    into `out/eval_<gate split>/<name>`); stop the demo at the first one below `gate`. `beside`: jobs that
+    read no teacher, run in the same pool (a core a lone teacher leaves idle). Returns which teachers
     were trained now (the others were reused)."""
     paths = {name: out / "teachers" / name for name in teachers}
     argvs = {name: ["train", "--config", str(config), "--student", str(init[name]), "--data", str(data),
@@ -310,7 +312,7 @@ def train_teachers(out: Path, data: Path, init: dict[str, Path], teachers: dict[
     for name, (_, split, items) in teachers.items():  # each teacher's gate accuracy right after its training
         if jobs[name] or not evaluated(out / f"eval_{split}" / name):
             jobs[name].append(_eval_argv(paths[name], data, split, items, out / f"eval_{split}" / name))
-    run_parallel(jobs, workers, out / "logs")
+    run_parallel({**jobs, **(beside or {})}, workers, out / "logs")
     for name, (_, split, _) in teachers.items():
         acc = read_json(out / f"eval_{split}" / name / EVAL_SUMMARY, {})["accuracy"]
         if acc < gate:
@@ -427,7 +429,7 @@ class Regime:
         models = regimes.read_models(CONFIG_DIR / task / "models.json")
         settings = regimes.read_settings(config_path(f"{task}/demo.yaml"), quick)
         regimes.check_data(task, settings.data)
-        return Regime(task, settings, models, regimes.teachers_of(models))
+        return Regime(task, settings, models, regimes.teachers_of(models, settings.teachers))
 
 
 def evidence_assets(out: Path, regime: Regime, budget: int) -> str:
@@ -454,21 +456,22 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
     _log(f"[2/6] tokenizers and random-init models of configs/demo/{task}/models.json -> {out / 'init'}")
     init = regimes.build_models(CONFIG_DIR / task / "models.json", data, out / "init", seed)
 
-    _log(f"[3/6] teachers ({s.teacher_steps} steps each), quality gate {gate:.2f} on their held-out splits")
-    fresh = train_teachers(out, data, init, {n: (split, gate_split, sizes[gate_split]) for n, (split, gate_split)
-                                             in regime.teachers.items()},
-                           config_path(f"{task}/teacher.yaml"), s.teacher_steps, seed, workers, gate)
-
-    _log(f"[4/6] probe audit: {s.probe.get('target')} at {s.probe.get('rows')} rows of dev, each teacher beside its "
-         "untrained copy")
     student_split = regime.models.models["student"].data
-    _log(f"[5/6] SFT learning curve of the student on its {sizes[student_split]} labelled records")
     curve_run = out / "runs" / "sft_curve"
     curve_argv = ["train", "--config", str(config_path(f"{task}/student.yaml")), "--student", str(init["student"]),
                   "--data", str(data), "--data_split", student_split, "--seed", str(seed), "--output_dir",
                   str(curve_run), "--max_steps", str(s.curve_steps), "--accuracy_eval_steps", str(s.curve_every),
                   "--accuracy_eval_limit", str(s.curve_items)]
-    jobs = {} if _trained(curve_run, curve_argv, stale=curve_run) else {"sft_curve": [curve_argv]}
+    curve_job = {} if _trained(curve_run, curve_argv, stale=curve_run) else {"sft_curve": [curve_argv]}
+    _log(f"[3/6] teachers ({s.teacher_steps} steps each), quality gate {gate:.2f} on their held-out splits; beside "
+         f"them [5/6] the SFT learning curve of the student on its {sizes[student_split]} labelled records")
+    fresh = train_teachers(out, data, init, {n: (split, gate_split, sizes[gate_split]) for n, (split, gate_split)
+                                             in regime.teachers.items()},
+                           config_path(f"{task}/teacher.yaml"), s.teacher_steps, seed, workers, gate, curve_job)
+
+    _log(f"[4/6] probe audit: {s.probe.get('target')} at {s.probe.get('rows')} rows of dev, each teacher beside its "
+         "untrained copy")
+    jobs = {}
     flags = [x for k, v in s.probe.items() for x in (f"--{k}", *map(str, v if isinstance(v, list) else [v]))]
     probes = {name: out / "probe" / name for name in regime.teachers}
     for name, path in probes.items():  # a retrained teacher is probed again
