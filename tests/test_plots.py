@@ -189,3 +189,11 @@ def test_long_bar_labels_wrap_and_the_legend_sits_beside_the_bars(tmp_path, monk
     texts = [t.get_text() for t in ax.get_xticklabels()]
     assert texts[0] == "SFT" and texts[1].replace("\n", " ") == long and texts[1].count("\n") >= 2
     assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1  # never over a bar
+    # five long labels side by side: each stays within its own slot (the 24-character wrap ran them together)
+    labels = ["Logit KD (positive control)", "Logit KD + Relation from the permuted-number copy",
+              "Logit KD + Relation from the untrained copy", "Logit KD, T = 4", "Logit KD + Relation"]
+    plots.plot_bars_with_errors(labels, [0.1] * 5, [0.01] * 5, tmp_path / "c.png", error_label="± 1 sd")
+    fig = figs[-1]
+    fig.canvas.draw()
+    boxes = sorted((t.get_window_extent() for t in fig.axes[0].get_xticklabels()), key=lambda b: b.x0)
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:]))

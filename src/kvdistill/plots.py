@@ -19,7 +19,7 @@ import numpy as np
 
 from kvdistill.io import write_bytes_atomic
 
-TICK_WRAP = 24  # characters per line of a bar's label
+TICK_WRAP = 18  # characters per line of a bar's label: at 8 pt, narrower than its 1.4-inch slot
 
 
 def save_figure(fig, path: str | Path) -> Path:
