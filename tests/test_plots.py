@@ -4,6 +4,7 @@ Every plotting function runs with warnings turned into errors, on typical inputs
 cases training produces (one logged step, one teacher, one layer, a panel without data).
 """
 
+import itertools
 import json
 import warnings
 from pathlib import Path
@@ -196,4 +197,4 @@ def test_long_bar_labels_wrap_and_the_legend_sits_beside_the_bars(tmp_path, monk
     fig = figs[-1]
     fig.canvas.draw()
     boxes = sorted((t.get_window_extent() for t in fig.axes[0].get_xticklabels()), key=lambda b: b.x0)
-    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:]))
+    assert all(a.x1 < b.x0 for a, b in itertools.pairwise(boxes))
