@@ -263,6 +263,22 @@ def test_on_policy_variants_get_no_capture(tmp_path):
     assert dirs == {"off": tmp_path / "o" / "captures" / "off", "gkd": None, "seqkd": None}
 
 
+def test_seed_placeholder_reads_each_runs_seed(tmp_path):
+    """`{seed}` in an override (common or a variant's, nested too) becomes the run's seed: each seed starts
+    from its own checkpoint of an earlier sweep; other strings and keys stay as written."""
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
+    abl = _write_yaml(tmp_path / "a.yaml", {
+        "base_config": "train.yaml", "output_dir": str(tmp_path / "o"), "seeds": [3, 4],
+        "overrides": {"student": "sft/seed_{seed}/checkpoint-9", "run_name": "plain"},
+        "variants": [{"name": "v", "overrides": {"teachers": [{"path": "t_{seed}", "name": "t"}]}}],
+    })
+    cfg = load_ablation_config(abl)
+    runs = {s: ablate.train_config_for(cfg, cfg.variants[0], s) for s in (3, 4)}
+    assert [r["student"] for r in runs.values()] == ["sft/seed_3/checkpoint-9", "sft/seed_4/checkpoint-9"]
+    assert runs[4]["teachers"] == [{"path": "t_4", "name": "t"}] and runs[4]["run_name"] == "plain"
+    assert cfg.overrides["student"] == "sft/seed_{seed}/checkpoint-9"  # the design (and its hash) keep the template
+
+
 def test_config_errors(tmp_path):
     _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
     with pytest.raises(ConfigError, match="unknown key 'sedes'; did you mean 'seeds'"):

@@ -299,7 +299,9 @@ class AblationConfig:
     variants: None | str | list = option(["core"], "Variants: built-in names, set names or {name, base, overrides, "
                                          "label} mappings; comma separated on the command line. "
                                          "`--list_variants` shows the built-ins.")
-    overrides: None | str | dict = option({}, "Train-config overrides applied to every run, before the variant's.")
+    overrides: None | str | dict = option({}, "Train-config overrides applied to every run, before the variant's. "
+                                          "`{seed}` in a string value (here or a variant's) reads the run's seed, "
+                                          "e.g. `student: runs/baseline/seed_{seed}/checkpoint-1500`.")
     baseline: str | None = option(None, "The variant every other is compared with (default: baseline, or the first).")
     primary: None | str | list | dict = option(None, "The primary comparison, named before the run: [variant, "
                                                "reference], or {comparison: [a, b], metric: accuracy|answer_nll|"
@@ -437,7 +439,19 @@ def train_config_for(cfg: AblationConfig, variant: Variant, seed: int) -> dict[s
     merged.update(copy.deepcopy(variant.overrides))
     merged["output_dir"] = str(run_dir(cfg, variant.name, seed))
     merged["seed"] = int(seed)
-    return merged
+    return _with_seed(merged, int(seed))
+
+
+def _with_seed(value: Any, seed: int) -> Any:
+    """`value` with `{seed}` in every string replaced by `seed`: a run can start from its seed's own
+    checkpoint of an earlier sweep (on-policy from each seed's SFT model)."""
+    if isinstance(value, str):
+        return value.replace("{seed}", str(seed))
+    if isinstance(value, dict):
+        return {k: _with_seed(v, seed) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_with_seed(v, seed) for v in value]
+    return value
 
 
 def eval_settings_for(cfg: AblationConfig, train_cfg: Mapping[str, Any]) -> dict[str, Any]:
