@@ -3,6 +3,11 @@ one end-to-end ablation on the tiny fixtures with the real trainer and evaluator
 
 import copy
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -398,6 +403,52 @@ def test_reference_must_be_run(tmp_path):
     abl = _write_yaml(tmp_path / "a.yaml", {"base_config": "train.yaml", "variants": ["baseline", "privileged_kv"]})
     with pytest.raises(AblationError, match="sft_no_rationale"):
         load_ablation_config(abl)
+
+
+_POOL_PARENT = """
+import os, time
+from kvdistill.commands import ablate
+
+def nap():
+    print(os.getpid(), flush=True)
+    time.sleep(60)
+
+if __name__ == "__main__":
+    with ablate._pool(1, 1) as pool:
+        pool.submit(nap)
+        time.sleep(60)
+"""
+
+
+def _running(pid: int) -> bool:
+    """`pid` exists and is not a zombie (an orphan's new parent may not reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_pool_workers_exit_when_the_ablation_is_killed(tmp_path):
+    """A killed ablation's workers must not train on as orphans (writing into the run dirs a restart reuses)."""
+    script = tmp_path / "parent.py"
+    script.write_text(_POOL_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    worker = None
+    try:
+        worker = int(parent.stdout.readline())  # the worker is in its task
+        assert _running(worker)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while _running(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(worker), "the worker outlived its parent"
+    finally:
+        parent.kill()
+        if worker is not None and _running(worker):
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_parallel_workers_give_the_same_numbers_as_one_process(tiny_world, tmp_path):

@@ -51,8 +51,11 @@ import copy
 import json
 import math
 import multiprocessing
+import os
 import re
 import tempfile
+import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -537,10 +540,29 @@ TrainFn = Callable[[list[str]], int]
 EvalFn = Callable[[str, str, Mapping[str, Any]], Any]
 
 
-def _init_worker(threads: int) -> None:
-    """A spawned worker is a fresh interpreter: give it what `kvdistill` gives every process."""
+def _init_worker(threads: int, parent: int) -> None:
+    """A spawned worker is a fresh interpreter: give it what `kvdistill` gives every process, and make it
+    exit with `parent` (the ablation's pid)."""
     keep_freed_memory()
     torch.set_num_threads(threads)
+    threading.Thread(target=_exit_with, args=(parent,), name="exit-with-parent", daemon=True).start()
+
+
+def _exit_with(parent: int, every_s: float = 0.5) -> None:
+    """Exit when `parent` dies: a killed ablation (SIGKILL, pkill) would otherwise leave its workers training for
+    half an hour as orphans, writing into the run dirs its restart reuses. An orphan is re-parented, so its
+    parent pid changes. (Not prctl PR_SET_PDEATHSIG: it fires when the *thread* that spawned the worker exits,
+    and it is Linux only.)"""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(1)
+
+
+def _pool(workers: int, threads: int) -> ProcessPoolExecutor:
+    """The worker processes: spawned (no state forked from the parent), each with `threads` threads, each
+    exiting with this process."""
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                               initargs=(threads, os.getpid()))
 
 
 def train_and_evaluate(rdir: str, settings: Mapping[str, Any], train_fn: TrainFn | None = None,
@@ -642,8 +664,7 @@ def _run_pool(plan: _Plan, workers: int, threads: int) -> None:
     plan.log(f"{len(plan.runs)} runs and {len(plan.captures)} captures on {workers} workers x {threads} thread(s)")
     captures = list(plan.captures)
     running: dict[Future, tuple[str, Any]] = {}
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-                             initargs=(threads,)) as pool:
+    with _pool(workers, threads) as pool:
         while True:
             while len(running) < workers:
                 if captures and all(kind != "capture" for kind, _ in running.values()):
