@@ -18,6 +18,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from kvdistill.config import teacher_controls
 from kvdistill.io import write_text_atomic
 from kvdistill.report import fmt_num, fmt_sig, markdown_table
 
@@ -112,12 +113,12 @@ def card_info(
     def pick(section: str) -> dict[str, Any]:
         return {k: config[k] for k in sections.get(section, ()) if k in config}
 
-    # a control teacher's entry names its control: its own (`control`, in the config's teachers), else the run's
-    own = {t.get("name"): t.get("control") for t in config.get("teachers") or [] if isinstance(t, Mapping)}
+    run_control = config.get("teacher_control", "none")
+    controls = teacher_controls(config.get("teachers"), run_control)  # a control teacher's entry names its control
     entries = []
     for t in teachers:
         entry = {k: t.get(k) for k in ("name", "path", "config_hash", "weight")}
-        control = own.get(t.get("name")) or config.get("teacher_control", "none")
+        control = controls.get(t.get("name"), run_control)
         entries.append(entry if control == "none" else {**entry, "control": control})
     maps = {}
     for name, matrix in (layer_maps or {}).items():
@@ -134,7 +135,7 @@ def card_info(
         "data": pick("data"),
         "training": pick("training"),
         "evaluations": [],
-        "control": config.get("teacher_control", "none"),  # a control run says so on its card
+        "control": run_control,  # a control run says so on its card
     }
 
 

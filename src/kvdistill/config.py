@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import MISSING, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -255,3 +256,18 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, str) and value.strip()[:1] in "{[":
         return yaml.safe_load(value)
     return value
+
+
+def teacher_name(teacher: str | Mapping[str, Any]) -> str:
+    """The name of a `teachers:` entry (a path or a mapping): its `name`, else the last part of its path."""
+    spec = {"path": teacher} if isinstance(teacher, str) else teacher
+    name = spec.get("name")
+    return Path(str(spec.get("path")).rstrip("/")).name if name is None else name
+
+
+def teacher_controls(teachers: Any, run_control: str = "none") -> dict[str, str]:
+    """`{teacher name: its control}` of a run's `teachers:` (an entry or a list of them): a teacher's own
+    `control`, else the run's `teacher_control`. The one home of this rule, on plain YAML data, so the
+    trainer (`KVDistillConfig.teacher_controls`), the card and `ablate` cannot drift apart."""
+    entries = [teachers] if isinstance(teachers, (str, Mapping)) else teachers or []
+    return {teacher_name(t): (None if isinstance(t, str) else t.get("control")) or run_control for t in entries}

@@ -152,3 +152,33 @@ def test_ablate_captures_a_run_with_an_untrained_teacher_per_seed(tmp_path):
     dirs = {v.name: ablate.capture_dir_for(cfg, v, ablate.train_config_for(cfg, v, 1)) for v in cfg.variants}
     captures = tmp_path / "o" / "captures"
     assert dirs == {"mixed": captures / "mixed_seed1", "plain": captures / "plain"}
+
+
+@pytest.mark.parametrize("run_control", ["none", "untrained", "shuffled"])
+@pytest.mark.parametrize("b_control", [None, "none", "untrained", "shuffled"])
+def test_the_card_and_ablate_read_each_teachers_control_as_the_trainer_does(tmp_path, run_control, b_control):
+    """One rule, a teacher's own `control` else the run's, read by the trainer (the config), the card (its
+    teachers' entries) and ablate (whose captures are per seed): a copy of it drifting apart fails here."""
+    from kvdistill.card import card_info
+    from kvdistill.commands import ablate
+    from kvdistill.train.config import KVDistillConfig
+
+    (tmp_path / "b").mkdir()
+    teachers = ["org/a", {"path": f"{tmp_path / 'b'}/", "control": b_control},  # named from their paths
+                {"path": "org/c", "name": "named", "control": "none"}]
+    expected = {"a": run_control, "b": b_control or run_control, "named": "none"}
+    train = {"student": "org/s", "kv_weight": 1.0, "per_device_train_batch_size": 2, "teachers": teachers,
+             "teacher_control": run_control}
+    cfg = KVDistillConfig(**train, output_dir=str(tmp_path / "run"))
+    assert cfg.teacher_controls == expected
+
+    card = card_info(cfg.to_yaml_dict(), [{"name": t.name} for t in cfg.teacher_configs], {})
+    assert {t["name"]: t.get("control", "none") for t in card["teachers"]} == expected
+
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(train))
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({"base_config": "train.yaml", "output_dir": str(tmp_path / "o"),
+                                                     "seeds": [1], "capture": True, "variants": [{"name": "x", "overrides": {}}]}))
+    abl = ablate.load_ablation_config(tmp_path / "a.yaml")
+    (v,) = abl.variants
+    per_seed = bool({"untrained", "permuted"} & set(expected.values()))
+    assert ablate.capture_dir_for(abl, v, ablate.train_config_for(abl, v, 1)).name == ("x_seed1" if per_seed else "x")

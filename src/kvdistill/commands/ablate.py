@@ -67,7 +67,15 @@ import torch
 import yaml
 
 from kvdistill.commands.eval import EvalConfig
-from kvdistill.config import ConfigError, check_output_dir, option, parse_config, read_yaml, to_plain
+from kvdistill.config import (
+    ConfigError,
+    check_output_dir,
+    option,
+    parse_config,
+    read_yaml,
+    teacher_controls,
+    to_plain,
+)
 from kvdistill.evaluate.comparisons import (
     compare_steps,
     compare_values,
@@ -487,10 +495,9 @@ def capture_dir_for(cfg: AblationConfig, variant: Variant, train_cfg: Mapping[st
     # on-policy / seq_kd runs teach on text generated during training: they read live teachers (and refuse a capture)
     if float(train_cfg.get("lmbda", KVDistillConfig.lmbda)) > 0 or train_cfg.get("seq_kd", KVDistillConfig.seq_kd):
         return None
-    teachers = to_plain(train_cfg["teachers"])
-    own = [t.get("control") for t in (teachers if isinstance(teachers, list) else [teachers]) if isinstance(t, dict)]
+    controls = teacher_controls(to_plain(train_cfg["teachers"]), train_cfg.get("teacher_control", "none"))
     # weights / map drawn from the seed, for every teacher or one (its own `control`)
-    per_seed = bool({train_cfg.get("teacher_control"), *own} & {"untrained", "permuted"})
+    per_seed = bool(set(controls.values()) & {"untrained", "permuted"})
     return Path(cfg.output_dir) / "captures" / (f"{variant.name}_seed{train_cfg['seed']}" if per_seed else variant.name)
 
 

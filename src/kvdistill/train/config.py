@@ -23,7 +23,16 @@ from kvdistill.align.compress import COMPRESSIONS
 from kvdistill.align.projectors import PROJECTOR_KINDS as PROJECTORS
 from kvdistill.align.time import TIME_MODES
 from kvdistill.card import SECTIONS
-from kvdistill.config import ConfigError, check_choice, check_ranges, option, suggest, to_plain
+from kvdistill.config import (
+    ConfigError,
+    check_choice,
+    check_ranges,
+    option,
+    suggest,
+    teacher_controls,
+    teacher_name,
+    to_plain,
+)
 from kvdistill.config import parse_config as parse_command_config
 from kvdistill.controls import ORACLE_CODES, TextPermutation
 from kvdistill.data import DEFAULT_TEMPLATE, FIELD_MAPS, parse_student_input
@@ -91,7 +100,7 @@ class TeacherConfig:
         if not self.path:
             raise ConfigError("a teacher needs a `path:` (Hub id or local model directory)")
         if self.name is None:
-            self.name = Path(str(self.path).rstrip("/")).name
+            self.name = teacher_name(self.path)
         check_ranges(self, where=f"teacher {self.name}: ")
         if self.quantization not in (None, "4bit", "8bit"):
             raise ConfigError(f"teacher {self.name}: quantization must be null, 4bit or 8bit")
@@ -596,7 +605,8 @@ class KVDistillConfig(TrainingArguments):
     @property
     def teacher_controls(self) -> dict[str, str]:
         """`{teacher name: its control}`: a teacher's own `control`, else the run's `teacher_control`."""
-        return {t.name: t.control or self.teacher_control for t in self.teacher_configs}
+        return teacher_controls([{"name": t.name, "control": t.control} for t in self.teacher_configs],
+                                self.teacher_control)
 
     @property
     def active_teachers(self) -> list[TeacherConfig]:
