@@ -794,6 +794,41 @@ def test_report_compares_teacher_and_control_on_the_selected_rows(tmp_path):
     assert json.loads((tmp_path / "out" / "ablation.json").read_text())["variants"]["right"]["agreement"]
 
 
+
+def test_a_teachers_own_control_tags_its_variant(tmp_path):
+    """A control arm whose control is one teacher's own (logit KD from the real teacher, relation from its permuted
+    copy) is tagged as a run-wide control is; teachers with different controls are each named."""
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 1.0})
+    real = {"path": "t", "name": "real", "weight": 0}
+    abl = _write_yaml(tmp_path / "a.yaml", {
+        "base_config": "train.yaml", "output_dir": str(tmp_path / "out"), "seeds": [0], "variants": [
+            {"name": "relation", "label": "Relation", "overrides": {}},
+            {"name": "run_wide", "label": "Run-wide", "overrides": {"teacher_control": "permuted"}},
+            {"name": "copy", "label": "Relation from the permuted copy", "overrides": {"teachers": [
+                real, {"path": "t", "name": "copy", "control": "permuted"}]}},
+            {"name": "two", "label": "Two", "overrides": {"teachers": [
+                {"path": "t", "name": "a", "control": "untrained"}, {"path": "t", "name": "b", "control": "permuted"}]}},
+        ]})
+    cfg = load_ablation_config(abl)
+    relation, run_wide, copy_, two = cfg.variants
+
+    def label(v, per_seed):
+        return ablate.control_label(v.label, ablate._control(cfg, v, per_seed))
+
+    tag = "[control: permuted teacher input]"
+    # before any run: as the overrides set it
+    assert [label(v, {}) for v in cfg.variants] == [
+        "Relation", f"Run-wide {tag}", f"Relation from the permuted copy {tag}", "Two [controls: untrained (a), permuted (b)]"]
+    # as the runs recorded it (train_summary.json, read_run's keys)
+    recorded = {"teacher_control": "none", "teacher_controls": {"real": "none", "copy": "permuted"}}
+    assert label(copy_, {0: recorded}) == f"Relation from the permuted copy {tag}"
+    assert label(relation, {0: {"teacher_control": "none", "teacher_controls": {"t": "none"}}}) == "Relation"
+    assert ablate._control(cfg, run_wide, {0: {"teacher_control": "permuted", "teacher_controls": {"t": "permuted"}}}) \
+        == "permuted"
+    # an earlier report's record (its own text, no per-teacher controls) reads back the same
+    assert ablate._control(cfg, two, {0: {"teacher_control": "untrained (a), permuted (b)"}}) == "untrained (a), permuted (b)"
+
+
 # ============================================================================= from_report: a sweep continued on a
 # fresh machine, where only the committed ablation.json of the earlier runs survives
 

@@ -879,15 +879,34 @@ CONTROL_TAGS = {"oracle": "positive control: oracle target", "permuted": "contro
 
 
 def control_label(label: str, control: str | None) -> str:
-    """`label` with its run's control named, e.g. `+Relation [control: other-task teacher]`."""
-    tag = CONTROL_TAGS.get(str(control))
+    """`label` with its run's control named, e.g. `+Relation [control: other-task teacher]`; several teachers'
+    controls (`_control`'s `untrained (a), permuted (b)`, the only form with a parenthesis) as they are."""
+    tag = CONTROL_TAGS.get(str(control), f"controls: {control}" if " (" in str(control) else None)
     return label if tag is None or tag in label else f"{label} [{tag}]"
 
 
 def _control(cfg: AblationConfig, v: Variant, per_seed: Mapping[int, Mapping[str, Any]]) -> str:
-    """A variant's teacher_control: as its runs recorded it (train_summary.json), else as the ablation sets it."""
-    recorded = [r["teacher_control"] for r in per_seed.values() if r.get("teacher_control")]
-    return recorded[0] if recorded else str({**(cfg.overrides or {}), **v.overrides}.get("teacher_control", "none"))
+    """A variant's control, as its runs recorded it (train_summary.json: the run's `teacher_control` and each
+    teacher's), else as the ablation's overrides set it: the one control its teachers have besides none
+    (`permuted` for a run-wide `teacher_control: permuted` and for one permuted teacher beside a real one
+    alike), the run's `teacher_control` where no teacher has one, or, where teachers have different ones,
+    each with its teacher's name (`untrained (a), permuted (b)`)."""
+    for r in per_seed.values():
+        if r.get("teacher_control"):  # an earlier report's record holds this text, and no per-teacher controls
+            return _controls_text(r.get("teacher_controls") or {}, r["teacher_control"])
+    overrides = {**(cfg.overrides or {}), **v.overrides}
+    run_control = str(overrides.get("teacher_control", "none"))
+    return _controls_text(teacher_controls(to_plain(overrides.get("teachers")), run_control), run_control)
+
+
+def _controls_text(controls: Mapping[str, str], run_control: str) -> str:
+    """`_control`'s text of `{teacher name: its control}` (`teacher_controls`) in a run of `run_control`."""
+    if not controls:  # no teachers (or recorded before per-teacher controls)
+        return run_control
+    own = {name: c for name, c in controls.items() if c != "none"}
+    if len(set(own.values())) > 1:
+        return ", ".join(f"{c} ({name})" for name, c in own.items())
+    return next(iter(own.values()), "none")
 
 
 def summarize(cfg: AblationConfig) -> dict[str, Any]:
