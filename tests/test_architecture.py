@@ -60,3 +60,14 @@ def test_no_unsafe_loaders_in_the_package():
     assert not found, "\n".join(found)
     assert re.search(next(iter(UNSAFE_LOADERS)), "x = torch.load(f)")  # the scan can fail
     assert not re.search(next(iter(UNSAFE_LOADERS)), "x = torch.load(f, weights_only=True)")
+
+
+def test_scipy_is_imported_where_it_is_used():
+    """scipy.stats takes ~1 s to import: a module-level import would make every `kvdistill` start that
+    reaches the stats (a training, a capture, a refused command) pay it; only tests and reports use it."""
+    import re
+
+    top_level = re.compile(r"^(import scipy|from scipy)\b", re.MULTILINE)
+    found = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "src" / "kvdistill").rglob("*.py"))
+             if top_level.search(p.read_text())]
+    assert not found, found

@@ -20,7 +20,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
+
+
+def _scipy_stats() -> Any:
+    """`scipy.stats`, imported on first use: importing it takes ~1 s, which every `kvdistill` start
+    that reaches this module (a training, a capture, a refused command) would pay without testing anything."""
+    from scipy import stats
+
+    return stats
+
 
 # ---------------------------------------------------------------------------- one run
 
@@ -39,7 +47,7 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
         return 0.0, 1.0
     if not 0 <= successes <= n:
         raise ValueError(f"successes must be in [0, {n}], got {successes}")
-    z = float(stats.norm.ppf(0.5 + confidence / 2.0))
+    z = float(_scipy_stats().norm.ppf(0.5 + confidence / 2.0))
     phat = successes / n
     denom = 1.0 + z * z / n
     center = (phat + z * z / (2 * n)) / denom
@@ -111,7 +119,7 @@ def _ttest(a: Sequence[float], b: Sequence[float], paired: bool, confidence: flo
         if mean == 0.0:
             return TTestResult(0.0, 0.0, df, 1.0, 0.0, 0.0, n)
         return TTestResult(mean, math.copysign(math.inf, mean), df, 0.0, mean, mean, n)
-    r = stats.ttest_rel(x, y) if paired else stats.ttest_ind(x, y, equal_var=False)
+    r = _scipy_stats().ttest_rel(x, y) if paired else _scipy_stats().ttest_ind(x, y, equal_var=False)
     ci = r.confidence_interval(confidence)
     return TTestResult(mean, float(r.statistic), float(r.df), float(r.pvalue), float(ci.low), float(ci.high), n)
 
@@ -190,11 +198,11 @@ def tost(a: Sequence[float], b: Sequence[float], margin: float, *, paired: bool 
         p_lower, p_upper = float(r.mean_diff <= -margin), float(r.mean_diff >= margin)
     elif paired:
         d = x - y
-        p_lower = float(stats.ttest_1samp(d, -margin, alternative="greater").pvalue)
-        p_upper = float(stats.ttest_1samp(d, margin, alternative="less").pvalue)
+        p_lower = float(_scipy_stats().ttest_1samp(d, -margin, alternative="greater").pvalue)
+        p_upper = float(_scipy_stats().ttest_1samp(d, margin, alternative="less").pvalue)
     else:  # shift b by the margin: Δ > -m  <=>  mean(a) > mean(b - m)
-        p_lower = float(stats.ttest_ind(x, y - margin, equal_var=False, alternative="greater").pvalue)
-        p_upper = float(stats.ttest_ind(x, y + margin, equal_var=False, alternative="less").pvalue)
+        p_lower = float(_scipy_stats().ttest_ind(x, y - margin, equal_var=False, alternative="greater").pvalue)
+        p_upper = float(_scipy_stats().ttest_ind(x, y + margin, equal_var=False, alternative="less").pvalue)
     p = max(p_lower, p_upper)
     equivalent = bool(p < alpha)
     verdict = f"equivalent within ±{margin:g}" if equivalent else f"not shown equivalent within ±{margin:g}"
@@ -224,7 +232,7 @@ def mann_whitney(a: Sequence[float], b: Sequence[float]) -> RankTestResult:
     x, y = _arrays(a, b, False)
     if len(x) == 0 or len(y) == 0:
         return RankTestResult(math.nan, math.nan, math.nan, len(x), len(y))
-    r = stats.mannwhitneyu(x, y, alternative="two-sided")
+    r = _scipy_stats().mannwhitneyu(x, y, alternative="two-sided")
     u = float(r.statistic)
     return RankTestResult(u, float(r.pvalue), u / (len(x) * len(y)), len(x), len(y))
 
@@ -260,14 +268,14 @@ def logrank(steps_a: Sequence[float], reached_a: Sequence[bool], steps_b: Sequen
         t, e = np.asarray(steps, dtype=np.float64), np.asarray(reached, dtype=bool)  # [n], [n]
         if t.shape != e.shape:
             raise ValueError(f"steps and reached need equal lengths, got {len(t)} and {len(e)}")
-        return stats.CensoredData(uncensored=t[e], right=t[~e]), len(t), int(e.sum())
+        return _scipy_stats().CensoredData(uncensored=t[e], right=t[~e]), len(t), int(e.sum())
 
     (xa, na, ea), (xb, nb, eb) = censored(steps_a, reached_a), censored(steps_b, reached_b)
     if na == 0 or nb == 0:
         return LogRankResult(math.nan, math.nan, na, nb, ea, eb)
     if ea + eb == 0:
         return LogRankResult(0.0, 1.0, na, nb, ea, eb)
-    r = stats.logrank(xa, xb)
+    r = _scipy_stats().logrank(xa, xb)
     return LogRankResult(float(r.statistic), float(r.pvalue), na, nb, ea, eb)
 
 
