@@ -269,18 +269,6 @@ def refused(world, tmp_path, capsys, monkeypatch, request):
 
 
 @pytest.fixture
-def child(tmp_path):
-    """`child(*argv)`: run `python -m kvdistill.cli ARGV` in a child process in `tmp_path`; returns
-    `(exit code, stdout, stderr lines)`."""
-
-    def run(*argv: Any) -> tuple[int, str, list[str]]:
-        rc, out, err = finish_cli(start_cli(*argv, cwd=tmp_path), tmp_path)
-        return rc, out, [line for line in err.splitlines() if line.strip()]
-
-    return run
-
-
-@pytest.fixture
 def train_args(world):
     """`train_args(**overrides)`: `train_argv` on the session's world."""
     return lambda **overrides: train_argv(world, **overrides)
