@@ -31,22 +31,35 @@ print(json.dumps({"on": on, "allocator": allocator(), "faults": sum(per_round[10
 """
 
 
-def _probe(mode: str, **env: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True,
-                         env={**os.environ, **env})
-    return json.loads(out.stdout)
+PROBES = {"default": ("default", {}), "keep": ("keep", {}), "off": ("keep", {"KVDISTILL_KEEP_FREED_MEMORY": "0"})}
 
 
-def test_freed_pages_are_reused_instead_of_faulted_in_again():
-    default, keep = _probe("default"), _probe("keep")
+@pytest.fixture(scope="module")
+def probes() -> dict[str, dict]:
+    """`PROBES` (name -> probe mode, extra env), each in its own process, all started at once: each spends
+    seconds importing torch, so side by side they take the time of one per core (faults are counted per
+    process, RUSAGE_SELF)."""
+    procs = {name: subprocess.Popen([sys.executable, "-c", _PROBE, mode], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+             for name, (mode, env) in PROBES.items()}
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate()
+        assert proc.returncode == 0, err[-3000:]
+        results[name] = json.loads(out)
+    return results
+
+
+def test_freed_pages_are_reused_instead_of_faulted_in_again(probes):
+    default, keep = probes["default"], probes["keep"]
     assert default == {"on": False, "allocator": "default", "faults": default["faults"]}
     assert default["faults"] > 4000  # glibc unmaps the blocks on free: their pages fault in again
     assert keep["on"] is True and keep["allocator"] == "keep_freed"
     assert keep["faults"] < default["faults"] / 4  # mostly the same pages, kept by the heap
 
 
-def test_env_switch_leaves_glibc_defaults():
-    off = _probe("keep", KVDISTILL_KEEP_FREED_MEMORY="0")
+def test_env_switch_leaves_glibc_defaults(probes):
+    off = probes["off"]
     assert off["on"] is False and off["allocator"] == "default" and off["faults"] > 4000
 
 
