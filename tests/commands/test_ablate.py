@@ -457,9 +457,9 @@ def test_parallel_workers_give_the_same_numbers_as_one_process(tiny_world, tmp_p
     m = tiny_world.models
     _write_yaml(tmp_path / "train.yaml", {
         "student": str(m["student"]), "teachers": [{"path": str(m["qwen2_teacher"])}], "data": str(tiny_world.data_dir),
-        "max_length": 160, "max_steps": 3, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
-        "learning_rate": 1e-3, "kv_warmup_steps": 0, "logging_steps": 1, "save_strategy": "no", "use_cpu": True,
-        "disable_tqdm": True, "report_to": "none",
+        "max_length": 160, "max_steps": 3, "max_samples": 12, "per_device_train_batch_size": 4,  # 12: what 3 steps read
+        "gradient_accumulation_steps": 1, "learning_rate": 1e-3, "kv_warmup_steps": 0, "logging_steps": 1,
+        "save_strategy": "no", "use_cpu": True, "disable_tqdm": True, "report_to": "none",
     })
     results = {}
     for workers in (1, 2):
