@@ -137,6 +137,10 @@ def read_run(rdir: str | Path) -> dict[str, Any] | None:
     items = {int(row["index"]): bool(row["correct"]) for row in read_jsonl(rdir / EVAL_DIR / EVAL_ITEMS)}
     train = read_json(rdir / TRAIN_SUMMARY, {})
     final = train.get("final") or {}
+    metrics = read_jsonl(rdir / METRICS)
+    # each `train()` call that finishes logs its own wall time; a resumed run sums its calls (a killed
+    # segment logs none, so its time is not counted)
+    runtimes = [float(r["train_runtime"]) for r in metrics if "train_runtime" in r]
     return {
         "accuracy": summary.get("accuracy"),
         "ci_low": summary.get("ci_low"),
@@ -152,5 +156,6 @@ def read_run(rdir: str | Path) -> dict[str, Any] | None:
         "teacher_controls": train.get("teacher_controls"),  # per teacher (absent from runs made before them)
         "environment": train.get("environment"),
         "items": items,
-        "metrics": read_jsonl(rdir / METRICS),
+        "metrics": metrics,
+        "train_runtime": sum(runtimes) if runtimes else None,
     }

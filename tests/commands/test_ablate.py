@@ -268,6 +268,32 @@ def test_on_policy_variants_get_no_capture(tmp_path):
     assert dirs == {"off": tmp_path / "o" / "captures" / "off", "gkd": None, "seqkd": None}
 
 
+def test_the_runs_table_gives_each_runs_training_time(tmp_path):
+    """`train s` is the sum of the wall times a run's finished `train()` calls logged (a resumed run logs one
+    per call); a run that logged none reads `–` (cost per arm beside its accuracy, e.g. on-policy's)."""
+
+    class Timed(FakeRuns):
+        def train(self, argv):
+            rc = super().train(argv)
+            out = Path(yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())["output_dir"])
+            if out.parent.name == "kv":  # killed after step 5, resumed to step 10
+                rows = [{"step": 5, "train_runtime": 1.25}, {"step": 10, "train_runtime": 2.5}]
+                with (out / "metrics.jsonl").open("a") as f:
+                    f.write("".join(json.dumps(r) + "\n" for r in rows))
+            return rc
+
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
+    abl = _write_yaml(tmp_path / "a.yaml", {"base_config": "train.yaml", "output_dir": str(tmp_path / "o"),
+                                            "seeds": [0], "variants": ["baseline", "kv"], "n_resamples": 100})
+    report = run_ablation(load_ablation_config(abl), train_fn=Timed({"baseline": 0.3, "kv": 0.5}).train,
+                          eval_fn=Timed({"baseline": 0.3, "kv": 0.5}).eval, log=lambda s: None)
+    runs = {v: next(iter(report["variants"][v]["runs"].values())) for v in ("baseline", "kv")}
+    assert runs["kv"]["train_runtime"] == 3.75 and runs["baseline"]["train_runtime"] is None
+    rows = [line for line in (tmp_path / "o" / "ablation.md").read_text().splitlines() if "| 0 |" in line]
+    assert "| train s |" in (tmp_path / "o" / "ablation.md").read_text()
+    assert rows[0].endswith("| – |") and rows[1].endswith("| 4 |"), rows
+
+
 def test_seed_placeholder_reads_each_runs_seed(tmp_path):
     """`{seed}` in an override (common or a variant's, nested too) becomes the run's seed: each seed starts
     from its own checkpoint of an earlier sweep; other strings and keys stay as written."""

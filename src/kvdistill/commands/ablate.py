@@ -760,7 +760,7 @@ def run_ablation(
 
 # what the report records of each run (`variants[v].runs[seed]`), besides its per-item correctness
 _RUN_KEYS = ("accuracy", "ci_low", "ci_high", "n", "perplexity", "ce", "kv_loss", "cos_sim", "relation_kl",
-             "global_step", "answer_nll", "steps", "agreement")
+             "global_step", "answer_nll", "steps", "agreement", "train_runtime")
 
 
 def read_earlier_report(path: str, config_hash: str) -> dict[str, Any]:
@@ -1113,8 +1113,8 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         "",
         "| variant | seed | accuracy | 95 % CI | n | answer NLL | cos-sim | relation / attention KL | CE "
         "| perplexity | steps "
-        "| threshold at |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| threshold at | train s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["variants"].values():
         for seed, r in row["runs"].items():
@@ -1122,7 +1122,8 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
                 f"| {row['label']} | {seed} | {fmt_num(r['accuracy'])} | [{fmt_num(r['ci_low'])}, {fmt_num(r['ci_high'])}] "
                 f"| {r['n']} | {fmt_num(r.get('answer_nll'))} | {fmt_num(r['cos_sim'])} "
                 f"| {fmt_num(_kl(r), 4)} | {fmt_num(r['ce'])} | {fmt_num(r['perplexity'], 2)} "
-                f"| {r['global_step'] if r['global_step'] is not None else '–'} | {fmt_reached(r.get('steps'))} |"
+                f"| {r['global_step'] if r['global_step'] is not None else '–'} | {fmt_reached(r.get('steps'))} "
+                f"| {fmt_num(r.get('train_runtime'), 0)} |"
             )
     lines += ["", "## Variants", ""]
     for name, row in report["variants"].items():
