@@ -1,5 +1,6 @@
 """The dependency direction of SPEC §10 (import-linter contracts in pyproject.toml) and ruff, as tests."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -49,8 +50,6 @@ UNSAFE_LOADERS = {
 
 def test_no_unsafe_loaders_in_the_package():
     """Run dirs, layer maps and captures are read as safetensors / JSON / YAML only."""
-    import re
-
     found = []
     for path in sorted((ROOT / "src" / "kvdistill").rglob("*.py")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -65,8 +64,6 @@ def test_no_unsafe_loaders_in_the_package():
 def test_scipy_is_imported_where_it_is_used():
     """scipy.stats takes ~1 s to import: a module-level import would make every `kvdistill` start that
     reaches the stats (a training, a capture, a refused command) pay it; only tests and reports use it."""
-    import re
-
     top_level = re.compile(r"^(import scipy|from scipy)\b", re.MULTILINE)
     found = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "src" / "kvdistill").rglob("*.py"))
              if top_level.search(p.read_text())]

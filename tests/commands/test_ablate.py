@@ -285,8 +285,8 @@ def test_the_runs_table_gives_each_runs_training_time(tmp_path):
     _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
     abl = _write_yaml(tmp_path / "a.yaml", {"base_config": "train.yaml", "output_dir": str(tmp_path / "o"),
                                             "seeds": [0], "variants": ["baseline", "kv"], "n_resamples": 100})
-    report = run_ablation(load_ablation_config(abl), train_fn=Timed({"baseline": 0.3, "kv": 0.5}).train,
-                          eval_fn=Timed({"baseline": 0.3, "kv": 0.5}).eval, log=lambda s: None)
+    fake = Timed({"baseline": 0.3, "kv": 0.5})
+    report = run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
     runs = {v: next(iter(report["variants"][v]["runs"].values())) for v in ("baseline", "kv")}
     assert runs["kv"]["train_runtime"] == 3.75 and runs["baseline"]["train_runtime"] is None
     rows = [line for line in (tmp_path / "o" / "ablation.md").read_text().splitlines() if "| 0 |" in line]
