@@ -127,6 +127,8 @@ def test_demo_settings_apply_quick_key_by_key_and_refuse_unknown_keys(tmp_path):
     assert settings.gate > 0.9 and quick.gate == 0.0 and quick.teacher_steps < settings.teacher_steps
     assert quick.data["p"] < settings.data["p"] and quick.data["labelled"] == settings.data["labelled"]  # merged
     assert quick.probe["target"] == settings.probe["target"] and quick.probe["samples"] < settings.probe["samples"]
+    # at any depth: quick sets teacher_other's steps and keeps its learning rate
+    assert quick.teacher_overrides["teacher_other"] == {**settings.teacher_overrides["teacher_other"], "max_steps": 4}
     path = tmp_path / "demo.yaml"
     path.write_text("data: {}\nteacher_steps: 1\ngate: 0.5\ncurve_steps: 2\ncurve_every: 1\ncurve_items: 2\n"
                     "probe: {}\nteacher_step: 3\n")
@@ -134,6 +136,9 @@ def test_demo_settings_apply_quick_key_by_key_and_refuse_unknown_keys(tmp_path):
         read_settings(path)
     path.write_text(path.read_text().replace("teacher_step: 3\n", "").replace("gate: 0.5", "gate: 90"))
     with pytest.raises(ConfigError, match="gate 90 is not an accuracy"):
+        read_settings(path)
+    path.write_text(path.read_text().replace("gate: 90", "gate: 0.5") + "teacher_overrides: {teacher_other: 0.001}\n")
+    with pytest.raises(ConfigError, match="teacher_overrides maps a teacher's name to its train options"):
         read_settings(path)
 
 

@@ -196,21 +196,31 @@ class DemoSettings:
     curve_items: int  # dev items per curve point
     probe: dict[str, Any]  # `kvdistill probe` options (target, rows, samples, max_length, ...) on dev
     teachers: list[str] | None = None  # the models trained and gated as teachers (None: all but the student)
+    teacher_overrides: dict[str, dict[str, Any]] | None = None  # teacher -> `kvdistill train` options over teacher.yaml
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`base` updated by `over`, a mapping into a mapping key by key, at any depth."""
+    return {k: _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+            for k, v in {**base, **over}.items()}
 
 
 def read_settings(path: str | Path, quick: bool = False) -> DemoSettings:
-    """`demo.yaml` at `path`; `quick` applies its `quick:` block (a mapping updates a mapping key by key)."""
+    """`demo.yaml` at `path`; `quick` applies its `quick:` block (a mapping updates a mapping key by key, at
+    any depth)."""
     raw = read_yaml(path, "demo settings")
     over = raw.pop("quick", {}) if quick else {}
     raw.pop("quick", None)
-    raw = {k: {**raw[k], **v} if isinstance(v, dict) and isinstance(raw.get(k), dict) else v for k, v in
-           {**raw, **over}.items()}
-    names, optional = set(DemoSettings.__dataclass_fields__), {"teachers"}
+    raw = _merged(raw, over)
+    names, optional = set(DemoSettings.__dataclass_fields__), {"teachers", "teacher_overrides"}
     if not names - optional <= set(raw) <= names:
         raise ConfigError(f"{path}: needs the keys {sorted(names - optional)} (optional: {sorted(optional)}, "
                           f"quick:); missing {sorted(names - optional - set(raw))}, unknown {sorted(set(raw) - names)}")
     if not isinstance(raw["data"], dict) or not isinstance(raw["probe"], dict):
         raise ConfigError(f"{path}: data and probe must be mappings (make_splits knobs; kvdistill probe options)")
+    if not all(isinstance(v, dict) for v in (raw.get("teacher_overrides") or {}).values()):
+        raise ConfigError(f"{path}: teacher_overrides maps a teacher's name to its train options over teacher.yaml "
+                          "(e.g. teacher_other: {learning_rate: 1.0e-3})")
     if not 0 <= raw["gate"] <= 1:
         raise ConfigError(f"{path}: gate {raw['gate']} is not an accuracy; set it between 0 and 1")
     return DemoSettings(**raw)

@@ -13,7 +13,7 @@ from kvdistill.commands.demo import main as demo_main
 from kvdistill.config import ConfigError, parse_config
 
 SPLITS = ("teacher_pool", "train", "dev", "teacher_dev", "test", "other_task", "other_task_dev")
-TRAINED = (("teacher_qwen2", "teacher_dev"),)  # configs/demo/modular/demo.yaml `teachers:` (name, gate split)
+TRAINED = (("teacher_qwen2", "teacher_dev"), ("teacher_other", "other_task_dev"))  # modular demo.yaml `teachers:`
 
 
 @pytest.mark.parametrize("runner", [
@@ -38,7 +38,7 @@ def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, runner, in_process
         assert cfg["tie_word_embeddings"] is False and cfg["num_hidden_layers"] == m["sizes"]["num_hidden_layers"]
     report = (out / "report.md").read_text()
     # demo.yaml's `teachers:` picks who is trained and gated; every model of models.json is still built
-    assert not (out / "teachers" / "teacher_llama").exists() and not (out / "teachers" / "teacher_other").exists()
+    assert not (out / "teachers" / "teacher_llama").exists()
     for name, gate_split in TRAINED:
         config = yaml.safe_load((out / "teachers" / name / "kvdistill_config.yaml").read_text())
         assert config["data_split"] == models[name]["data"] and config["max_steps"] == 4
@@ -60,7 +60,7 @@ def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, runner, in_process
     assert f"max_steps: {curve['budget']}" in report and f"student: {out / 'init' / 'student'}" in report
     # the command lines: each teacher on its split, gated on its held-out one, probed on dev; the curve's settings
     argvs = {(argv[0], argv[argv.index("--output_dir") + 1]): argv for argv in calls}
-    assert len(calls) == len(argvs) == 4  # teacher_qwen2, its gate eval and probe, the SFT curve
+    assert len(calls) == len(argvs) == 7  # each teacher, its gate eval and probe; the SFT curve
 
     def values(command: str, output_dir, *flags: str) -> tuple[str, ...]:
         argv = argvs[command, str(output_dir)]
@@ -73,6 +73,12 @@ def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, runner, in_process
         assert values("probe", out / "probe" / name, "--model", "--split", "--target", "--rows", "--samples") == (
             str(out / "teachers" / name), "dev", "field:number", "field:numeral", "12")
         assert "--untrained" in argvs["probe", str(out / "probe" / name)]
+    # teacher_overrides: teacher_other's own options after teacher.yaml's and teacher_steps (quick's max_steps)
+    other = argvs["train", str(out / "teachers" / "teacher_other")]
+    assert other[other.index("--learning_rate") + 1] == "0.001" and "--learning_rate" not in argvs[
+        "train", str(out / "teachers" / "teacher_qwen2")]
+    config = yaml.safe_load((out / "teachers" / "teacher_other" / "kvdistill_config.yaml").read_text())
+    assert (config["learning_rate"], config["lr_scheduler_type"]) == (1e-3, "cosine")
     assert values("train", out / "runs" / "sft_curve", "--data_split", "--max_steps", "--accuracy_eval_steps",
                   "--accuracy_eval_limit") == ("train", "4", "2", "8")
     # a second run reuses everything (no command runs); a gate the teachers miss stops it naming the teacher
@@ -139,3 +145,16 @@ def test_binding_regime_configs_are_complete():
                                "teacher_other": ("other_task", "other_task_dev")}
     assert (regime.settings.probe["target"], regime.settings.probe["rows"]) == ("field:value", "field:name")
     assert regime.models.models["student"].sizes["num_hidden_layers"] >= 3
+
+
+def test_teacher_overrides_of_a_teacher_the_demo_does_not_train_are_refused_before_anything_is_written(
+        tmp_path, monkeypatch):
+    configs = tmp_path / "configs"
+    shutil.copytree(demo.CONFIG_DIR / "modular", configs / "modular")
+    settings = yaml.safe_load((configs / "modular" / "demo.yaml").read_text())
+    settings["teacher_overrides"] = {"teacher_llama": {"learning_rate": 1e-3}}  # built, not in teachers:
+    (configs / "modular" / "demo.yaml").write_text(yaml.safe_dump(settings))
+    monkeypatch.setattr(demo, "CONFIG_DIR", configs)
+    with pytest.raises(ConfigError, match=r"teacher_overrides: \['teacher_llama'\] are not teachers this demo trains"):
+        demo_main(["--task", "modular", "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

@@ -233,6 +233,11 @@ def _trained(path: Path, argv: list[str], stale: Path) -> bool:
     return True
 
 
+def flags(options: dict[str, Any]) -> list[str]:
+    """`{key: value}` as command-line flags: `--key value` (a list: `--key v1 v2`)."""
+    return [x for k, v in options.items() for x in (f"--{k}", *map(str, v if isinstance(v, list) else [v]))]
+
+
 def _eval_argv(model: Path, data: Path, split: str, limit: int, out: Path) -> list[str]:
     return ["eval", "--model", str(model), "--data", str(data), "--split", split, "--limit", str(limit),
             "--batch_size", "100", "--max_new_tokens", "48", "--max_length", "256", "--output_dir", str(out),
@@ -295,16 +300,18 @@ def write_report(out: Path, rows: list[dict], curve: dict, transfer: int) -> Pat
 
 def train_teachers(out: Path, data: Path, init: dict[str, Path], teachers: dict[str, tuple[str, str, int]],
                    config: Path, steps: int, seed: int, workers: int, gate: float,
-                   beside: dict[str, list[list[str]]] | None = None) -> dict[str, bool]:
+                   beside: dict[str, list[list[str]]] | None = None,
+                   overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, bool]:
     """Train each teacher `name: (training split, gate split, gate items)` from `init[name]` into
     `out/teachers/<name>` (`workers` at once, each evaluated on its gate split right after its training,
     into `out/eval_<gate split>/<name>`); stop the demo at the first one below `gate`. `beside`: jobs that
-    read no teacher, run in the same pool (a core a lone teacher leaves idle). Returns which teachers
-    were trained now (the others were reused)."""
+    read no teacher, run in the same pool (a core a lone teacher leaves idle); `overrides`: a teacher's own
+    train options over `config` (demo.yaml's teacher_overrides). Returns which teachers were trained now
+    (the others were reused)."""
     paths = {name: out / "teachers" / name for name in teachers}
     argvs = {name: ["train", "--config", str(config), "--student", str(init[name]), "--data", str(data),
                     "--data_split", split, "--output_dir", str(paths[name]), "--max_steps", str(steps),
-                    "--seed", str(seed)]
+                    "--seed", str(seed), *flags((overrides or {}).get(name, {}))]
              for name, (split, _, _) in teachers.items()}
     # everything after this stage reads the teachers: one trained otherwise asks for a fresh output dir
     jobs = {name: [] if _trained(paths[name], argv, stale=out) else [argv] for name, argv in argvs.items()}
@@ -429,7 +436,11 @@ class Regime:
         models = regimes.read_models(CONFIG_DIR / task / "models.json")
         settings = regimes.read_settings(config_path(f"{task}/demo.yaml"), quick)
         regimes.check_data(task, settings.data)
-        return Regime(task, settings, models, regimes.teachers_of(models, settings.teachers))
+        teachers = regimes.teachers_of(models, settings.teachers)
+        if unknown := sorted(set(settings.teacher_overrides or {}) - set(teachers)):
+            raise ConfigError(f"configs/demo/{task}/demo.yaml teacher_overrides: {unknown} are not teachers this demo "
+                              f"trains ({sorted(teachers)}); name one of them or add it to teachers:")
+        return Regime(task, settings, models, teachers)
 
 
 def evidence_assets(out: Path, regime: Regime, budget: int) -> str:
@@ -467,17 +478,17 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
          f"them [5/6] the SFT learning curve of the student on its {sizes[student_split]} labelled records")
     fresh = train_teachers(out, data, init, {n: (split, gate_split, sizes[gate_split]) for n, (split, gate_split)
                                              in regime.teachers.items()},
-                           config_path(f"{task}/teacher.yaml"), s.teacher_steps, seed, workers, gate, curve_job)
+                           config_path(f"{task}/teacher.yaml"), s.teacher_steps, seed, workers, gate, curve_job,
+                           s.teacher_overrides)
 
     _log(f"[4/6] probe audit: {s.probe.get('target')} at {s.probe.get('rows')} rows of dev, each teacher beside its "
          "untrained copy")
     jobs = {}
-    flags = [x for k, v in s.probe.items() for x in (f"--{k}", *map(str, v if isinstance(v, list) else [v]))]
     probes = {name: out / "probe" / name for name in regime.teachers}
     for name, path in probes.items():  # a retrained teacher is probed again
         if fresh[name] or not (path / "probe.json").exists():
             jobs[f"probe_{name}"] = [["probe", "--model", str(out / "teachers" / name), "--untrained", "--data",
-                                      str(data), "--split", "dev", *flags, "--seed", str(seed), "--output_dir",
+                                      str(data), "--split", "dev", *flags(s.probe), "--seed", str(seed), "--output_dir",
                                       str(path), "--no_progress"]]
     run_parallel(jobs, workers, out / "logs")
     curve = record_curve(out, curve_run, sizes[student_split])
