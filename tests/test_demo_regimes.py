@@ -128,7 +128,7 @@ def test_demo_settings_apply_quick_key_by_key_and_refuse_unknown_keys(tmp_path):
     assert quick.data["p"] < settings.data["p"] and quick.data["labelled"] == settings.data["labelled"]  # merged
     assert quick.probe["target"] == settings.probe["target"] and quick.probe["samples"] < settings.probe["samples"]
     # at any depth: quick sets teacher_other's steps and keeps its learning rate
-    assert quick.teacher_overrides["teacher_other"] == {**settings.teacher_overrides["teacher_other"], "max_steps": 4}
+    assert quick.teacher_overrides["teacher_other"] == {**settings.teacher_overrides["teacher_other"], "max_steps": 3}
     path = tmp_path / "demo.yaml"
     path.write_text("data: {}\nteacher_steps: 1\ngate: 0.5\ncurve_steps: 2\ncurve_every: 1\ncurve_items: 2\n"
                     "probe: {}\nteacher_step: 3\n")

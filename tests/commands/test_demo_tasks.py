@@ -13,6 +13,7 @@ from kvdistill.commands.demo import main as demo_main
 from kvdistill.config import ConfigError, parse_config
 
 SPLITS = ("teacher_pool", "train", "dev", "teacher_dev", "test", "other_task", "other_task_dev")
+STEPS = {"teacher_qwen2": 4, "teacher_other": 3}  # quick: teacher_steps, teacher_other's teacher_overrides
 TRAINED = (("teacher_qwen2", "teacher_dev"), ("teacher_other", "other_task_dev"))  # modular demo.yaml `teachers:`
 
 
@@ -20,7 +21,7 @@ TRAINED = (("teacher_qwen2", "teacher_dev"), ("teacher_other", "other_task_dev")
     "in_process",  # CI: the same stages and command lines, ~10 commands in process
     pytest.param("subprocess", marks=[pytest.mark.slow, pytest.mark.extended]),  # as a user runs it (~60 s)
 ])
-def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, runner, in_process):
+def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, capsys, runner, in_process):
     calls: list[list[str]] = []
     run = {"in_process": in_process, "subprocess": demo.run_parallel}[runner]
 
@@ -31,6 +32,7 @@ def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, runner, in_process
     monkeypatch.setattr(demo, "run_parallel", record)
     out = tmp_path / "demo"
     assert demo_main(["--task", "modular", "--quick", "--output_dir", str(out)]) == 0
+    assert "teachers (teacher_qwen2 4 steps, teacher_other 3 steps)" in capsys.readouterr().out  # each its own
     assert all((out / "data" / f"{s}.jsonl").read_text() for s in SPLITS)
     models = json.loads((demo.CONFIG_DIR / "modular" / "models.json").read_text())["models"]
     for name, m in models.items():  # the inits as models.json says
@@ -41,7 +43,7 @@ def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, runner, in_process
     assert not (out / "teachers" / "teacher_llama").exists()
     for name, gate_split in TRAINED:
         config = yaml.safe_load((out / "teachers" / name / "kvdistill_config.yaml").read_text())
-        assert config["data_split"] == models[name]["data"] and config["max_steps"] == 4
+        assert config["data_split"] == models[name]["data"] and config["max_steps"] == STEPS[name]
         summary = json.loads((out / f"eval_{gate_split}" / name / "summary.json").read_text())
         assert summary["n"] == 12  # the whole gate split (quick n_teacher_dev)
         assert re.search(rf"\| {name} \| {gate_split} \| {summary['accuracy']:.3f} \|", report)

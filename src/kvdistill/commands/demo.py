@@ -474,7 +474,9 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
                   str(curve_run), "--max_steps", str(s.curve_steps), "--accuracy_eval_steps", str(s.curve_every),
                   "--accuracy_eval_limit", str(s.curve_items)]
     curve_job = {} if _trained(curve_run, curve_argv, stale=curve_run) else {"sft_curve": [curve_argv]}
-    _log(f"[3/6] teachers ({s.teacher_steps} steps each), quality gate {gate:.2f} on their held-out splits; beside "
+    steps = ", ".join(f"{n} {(s.teacher_overrides or {}).get(n, {}).get('max_steps', s.teacher_steps)} steps"
+                      for n in regime.teachers)
+    _log(f"[3/6] teachers ({steps}), quality gate {gate:.2f} on their held-out splits; beside "
          f"them [5/6] the SFT learning curve of the student on its {sizes[student_split]} labelled records")
     fresh = train_teachers(out, data, init, {n: (split, gate_split, sizes[gate_split]) for n, (split, gate_split)
                                              in regime.teachers.items()},
