@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("kvdistill.commands.eval", "GSM8K-style accuracy and perplexity of a causal LM"),
     "ablate": ("kvdistill.commands.ablate", "run variants x seeds, write ablation.md with paired tests"),
     "layer-map": ("kvdistill.commands.layer_map", "CKA between student and teacher layers -> top-k layer map JSON + heatmap"),
+    "layout": ("kvdistill.commands.layout", "how a model lays out the numbers 0..p-1: Fourier share and circulant R² of its layer-0 codes"),
     "probe": ("kvdistill.commands.probe", "linear probes: which layer's K / V / hidden state carries a target -> JSON + heatmap"),
     "demo": ("kvdistill.commands.demo", "the embedded default: teachers -> layer maps -> students -> report (CPU, offline)"),
     "profile": ("kvdistill.commands.profile", "shapes, time and memory of each alignment stage for a model pair"),

@@ -32,11 +32,15 @@ scores), not logistic regression: it is the same single solve for any number of 
 learning rate or iteration count, is deterministic, and as a linear read-out test it ranks layers as
 logistic probes do; a few hundred L-BFGS steps per layer x kind x model would cost more than the
 forward passes and add an optimiser whose convergence would itself need checking.
+
+Beside the probes, `layout_scores` (`kvdistill layout`): how cyclic a model's code of the numbers
+0..p-1 is, what a probe cannot see (p distinct tokens decode from any code).
 """
 
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -405,3 +409,71 @@ def probe_rows(rows: ProbeRows, train_fraction: float = 0.7, *, classification: 
             res["heads"] = {k: h[k].view(L, H) for k in ("score", "shuffled", "lambda")}
         out[kind] = res
     return out
+
+
+def untrained_copy(model: nn.Module, name: str, seed: int) -> nn.Module:
+    """A random init of `model`'s config, seeded by `seed` and `name` (as the trainer's untrained-teacher control)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + zlib.crc32(name.encode()))
+        copy = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
+    return copy.to(next(model.parameters()).device)
+
+
+# ----------------------------------------------------------------------------- number layout (`kvdistill layout`)
+#
+# A linear probe cannot show how numbers are laid out: p distinct tokens decode perfectly from any code,
+# trained or not. What grokking modular arithmetic leaves instead is a code of the numbers that is sparse
+# in the Fourier basis of the operation's cycle (Nanda et al. 2023): for a + b mod p the cycle 0, 1, ...,
+# p-1; for a * b mod p the nonzero numbers as powers of a primitive root g, g^0, ..., g^(p-2) (a product is
+# a sum of exponents).
+
+LAYOUT_CODES = ("embed", "k_pre", "v")  # the token's embedding and its layer-0 pre-RoPE key and value
+
+
+def cycle_order(p: int, generator: int | None = None) -> list[int]:
+    """The numbers in cycle order: `0..p-1`, or `generator^k mod p` for k in `0..p-2` (a ValueError when
+    `generator` is not a primitive root of p, i.e. its powers miss a nonzero number)."""
+    if generator is None:
+        return list(range(p))
+    order = [pow(generator, k, p) for k in range(p - 1)]
+    if len(set(order)) != p - 1 or 0 in order:
+        raise ValueError(f"{generator} is not a primitive root mod {p} (its powers give {len(set(order) - {0})} of the "
+                         f"{p - 1} nonzero numbers); pick one whose powers give them all")
+    return order
+
+
+@torch.no_grad()
+def layer0_codes(model: nn.Module, ids: Tensor) -> dict[str, Tensor]:
+    """`{"embed", "k_pre", "v"}: [n, d]` of the tokens `ids [n]`, each read alone: layer 0's pre-RoPE key and
+    value of a token depend on that token only (heads concatenated)."""
+    ids = ids.to(model_device(model))[:, None]  # [n, 1]: one single-token sequence per number
+    states = layer_states(model, ids, torch.ones_like(ids), kinds=("k_pre", "v"))  # [L, n, H, 1, D]
+    codes = {kind: states[kind][0, :, :, 0].flatten(1) for kind in ("k_pre", "v")}  # [n, H*D]
+    return {"embed": model.get_input_embeddings()(ids)[:, 0], **codes}
+
+
+def layout_scores(codes: Tensor, top: int = 2) -> dict[str, Any]:
+    """How cyclic a code of numbers in cycle order is. `codes [n, d]`, centred over the numbers.
+
+    share: the fraction of the code's power in its `top` strongest nonzero frequencies (a code made of
+        `top` frequencies gives 1; a random one about `top / (n // 2)`, `uniform`). Power per frequency
+        counts both conjugate terms (Parseval: the shares of all frequencies sum to 1 for any n).
+    circulant_r2: R² of the code's Gram matrix by its mean over each cyclic distance (a - b) mod n.
+    """
+    n = codes.shape[0]
+    f = (codes - codes.mean(0)).double()  # [n, d]
+    power = torch.fft.rfft(f, dim=0).abs().pow(2).sum(1)[1:]  # [n // 2]: frequencies 1..n // 2
+    if n % 2 == 0:
+        power[:-1] *= 2  # every frequency but n / 2 stands for itself and its conjugate
+    else:
+        power *= 2
+    strongest = power.sort(descending=True)
+    gram = f @ f.T  # [n, n]
+    diff = (torch.arange(n)[:, None] - torch.arange(n)[None, :]) % n  # [n, n]
+    circulant = torch.stack([gram[diff == k].mean() for k in range(n)])[diff]  # [n, n]
+    r2 = 1 - ((gram - circulant) ** 2).sum() / ((gram - gram.mean()) ** 2).sum()
+    return {"share": float(strongest.values[:top].sum() / power.sum()),
+            "frequencies": (strongest.indices[:top] + 1).tolist(), "uniform": top / len(power),
+            "circulant_r2": float(r2)}

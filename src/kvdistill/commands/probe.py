@@ -19,18 +19,23 @@ from __future__ import annotations
 
 import math
 import random
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 from kvdistill.config import ConfigError, check_choice, check_output_dir, option, parse_config, to_plain
 from kvdistill.data import DEFAULT_TEMPLATE, DataError
-from kvdistill.probe import KINDS, LAMBDAS, READOUTS, collect_rows, parse_rows, parse_target, probe_rows
+from kvdistill.probe import (
+    KINDS,
+    LAMBDAS,
+    READOUTS,
+    collect_rows,
+    parse_rows,
+    parse_target,
+    probe_rows,
+    untrained_copy,
+)
 from kvdistill.runs import resolve_model
 
 FORMAT = "kvdistill-probe/1"
@@ -98,16 +103,6 @@ def _as_list(value: Any) -> list[str] | None:
         value = value[0]
     value = to_plain(value)
     return [value] if isinstance(value, str) else value
-
-
-def untrained_copy(model: nn.Module, name: str, seed: int) -> nn.Module:
-    """A random init of `model`'s config, seeded by `seed` and `name` (as the trainer's untrained-teacher control)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + zlib.crc32(name.encode()))
-        copy = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
-    return copy.to(next(model.parameters()).device)
 
 
 def model_cells(name: str, result: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
