@@ -137,9 +137,11 @@ def test_demo_settings_apply_quick_key_by_key_and_refuse_unknown_keys(tmp_path):
     path.write_text(path.read_text().replace("teacher_step: 3\n", "").replace("gate: 0.5", "gate: 90"))
     with pytest.raises(ConfigError, match="gate 90 is not an accuracy"):
         read_settings(path)
-    path.write_text(path.read_text().replace("gate: 90", "gate: 0.5") + "teacher_overrides: {teacher_other: 0.001}\n")
-    with pytest.raises(ConfigError, match="teacher_overrides maps a teacher's name to its train options"):
-        read_settings(path)
+    valid = path.read_text().replace("gate: 90", "gate: 0.5")
+    for key in ("teacher_overrides", "layout"):
+        path.write_text(valid + f"{key}: {{teacher_other: 17}}\n")
+        with pytest.raises(ConfigError, match=f"{key} maps a teacher's name to its options"):
+            read_settings(path)
 
 
 def test_demo_teachers_pick_who_is_trained_and_unknown_names_are_refused(tmp_path):

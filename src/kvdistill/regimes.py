@@ -197,6 +197,11 @@ class DemoSettings:
     probe: dict[str, Any]  # `kvdistill probe` options (target, rows, samples, max_length, ...) on dev
     teachers: list[str] | None = None  # the models trained and gated as teachers (None: all but the student)
     teacher_overrides: dict[str, dict[str, Any]] | None = None  # teacher -> `kvdistill train` options over teacher.yaml
+    layout: dict[str, dict[str, Any]] | None = None  # teacher -> `kvdistill layout` options (numbers, generator)
+
+
+PER_TEACHER = {"teacher_overrides": "teacher_other: {learning_rate: 1.0e-3}, its train options over teacher.yaml",
+               "layout": "teacher_other: {numbers: 17, generator: 3}, its kvdistill layout options"}
 
 
 def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -212,15 +217,15 @@ def read_settings(path: str | Path, quick: bool = False) -> DemoSettings:
     over = raw.pop("quick", {}) if quick else {}
     raw.pop("quick", None)
     raw = _merged(raw, over)
-    names, optional = set(DemoSettings.__dataclass_fields__), {"teachers", "teacher_overrides"}
+    names, optional = set(DemoSettings.__dataclass_fields__), {"teachers", "teacher_overrides", "layout"}
     if not names - optional <= set(raw) <= names:
         raise ConfigError(f"{path}: needs the keys {sorted(names - optional)} (optional: {sorted(optional)}, "
                           f"quick:); missing {sorted(names - optional - set(raw))}, unknown {sorted(set(raw) - names)}")
     if not isinstance(raw["data"], dict) or not isinstance(raw["probe"], dict):
         raise ConfigError(f"{path}: data and probe must be mappings (make_splits knobs; kvdistill probe options)")
-    if not all(isinstance(v, dict) for v in (raw.get("teacher_overrides") or {}).values()):
-        raise ConfigError(f"{path}: teacher_overrides maps a teacher's name to its train options over teacher.yaml "
-                          "(e.g. teacher_other: {learning_rate: 1.0e-3})")
+    for key, example in PER_TEACHER.items():
+        if not all(isinstance(v, dict) for v in (raw.get(key) or {}).values()):
+            raise ConfigError(f"{path}: {key} maps a teacher's name to its options (e.g. {example})")
     if not 0 <= raw["gate"] <= 1:
         raise ConfigError(f"{path}: gate {raw['gate']} is not an accuracy; set it between 0 and 1")
     return DemoSettings(**raw)
@@ -244,9 +249,23 @@ def probe_summary(probe: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def layout_rows(layout: dict[str, Any]) -> list[str]:
+    """A `layout.json`'s markdown rows: per model, each code's top-2 share (its untrained copy's beside it)."""
+    rows = {(r["model"], r["code"]): r for r in layout["rows"]}
+    out = []
+    for (model, code), r in rows.items():
+        if not r["untrained"]:
+            copy = rows.get((f"{model} (untrained)", code))
+            out.append(f"| {Path(model).name} | {layout['cycle']} | {code} | {r['share']:.3f} {r['frequencies']} | "
+                       f"{r['circulant_r2']:.3f} | {copy['share'] if copy else float('nan'):.3f} |")
+    return out
+
+
 def regime_report(task: str, out: Path, gates: dict[str, tuple[str, float]], gate: float,
-                  probes: dict[str, dict[str, Any]], curve: dict[str, Any], assets: str) -> str:
-    """The markdown of `report.md`: the teachers' gate, the probe audit, the SFT curve and budget, the assets."""
+                  probes: dict[str, dict[str, Any]], curve: dict[str, Any], assets: str,
+                  layouts: dict[str, dict[str, Any]] | None = None) -> str:
+    """The markdown of `report.md`: the teachers' gate, the probe audit (and the layout audit), the SFT curve
+    and budget, the assets."""
     first = next(iter(probes.values()))
     lines = [f"# kvdistill demo --task {task}", "",
              f"**Teachers' quality gate** (greedy accuracy on their held-out split; gate {gate:.2f}):", "",
@@ -261,6 +280,14 @@ def regime_report(task: str, out: Path, gates: dict[str, tuple[str, float]], gat
     for r in (r for probe in probes.values() for r in probe_summary(probe)):
         lines.append(f"| {r['model']} | {r['kind']} @ {r['layer']} | {r['score']:.3f} | {r['baseline']:.3f} | "
                      f"{r['shuffled']:.3f} | {r['untrained']:.3f} | {r['gain']:+.3f} at {r['gain_at']} |")
+    if layouts:
+        lines += ["", "**Layout audit** (`layout/<teacher>/layout.json`, `kvdistill layout`): how cyclic each teacher's "
+                  "code of the numbers is on its operation's cycle, which a probe cannot show (distinct number tokens "
+                  f"decode from any code): the share of its power in the top 2 frequencies (uniform "
+                  f"{next(iter(layouts.values()))['rows'][0]['uniform']:.3f}), the circulant R² of its Gram matrix, and "
+                  "the untrained copy's share.", "",
+                  "| teacher | cycle | code | share [frequencies] | circulant R² | untrained share |",
+                  "|---|---|---|---:|---:|---:|", *[row for layout in layouts.values() for row in layout_rows(layout)]]
     points = ", ".join(f"{s}: {a:.3f}" for s, a in curve["points"])
     lines += ["", f"**SFT learning curve** of the student on its {curve['labelled']} labelled records (dev accuracy, "
               f"`sft_curve.png`): {points}. Budget: {curve['budget']} steps, the first at >= 95 % of the best "

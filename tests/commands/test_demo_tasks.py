@@ -62,7 +62,7 @@ def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, capsys, runner, in
     assert f"max_steps: {curve['budget']}" in report and f"student: {out / 'init' / 'student'}" in report
     # the command lines: each teacher on its split, gated on its held-out one, probed on dev; the curve's settings
     argvs = {(argv[0], argv[argv.index("--output_dir") + 1]): argv for argv in calls}
-    assert len(calls) == len(argvs) == 7  # each teacher, its gate eval and probe; the SFT curve
+    assert len(calls) == len(argvs) == 9  # each teacher, its gate eval, probe and layout; the SFT curve
 
     def values(command: str, output_dir, *flags: str) -> tuple[str, ...]:
         argv = argvs[command, str(output_dir)]
@@ -75,6 +75,13 @@ def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, capsys, runner, in
         assert values("probe", out / "probe" / name, "--model", "--split", "--target", "--rows", "--samples") == (
             str(out / "teachers" / name), "dev", "field:number", "field:numeral", "12")
         assert "--untrained" in argvs["probe", str(out / "probe" / name)]
+    # demo.yaml's layout: each teacher on its operation's cycle (teacher_other: multiplication's, generator 2 mod 11)
+    for name, generator in (("teacher_qwen2", None), ("teacher_other", 2)):
+        layout = json.loads((out / "layout" / name / "layout.json").read_text())
+        assert (layout["numbers"], layout["generator"]) == (11, generator)
+        assert [r["untrained"] for r in layout["rows"]] == [False] * 3 + [True] * 3
+        assert re.search(rf"\| {name} \| {re.escape(layout['cycle'])} \| v \| {layout['rows'][2]['share']:.3f} ",
+                         report.split("**Layout audit**")[1])
     # teacher_overrides: teacher_other's own options after teacher.yaml's and teacher_steps (quick's max_steps)
     other = argvs["train", str(out / "teachers" / "teacher_other")]
     assert other[other.index("--learning_rate") + 1] == "0.001" and "--learning_rate" not in argvs[
@@ -149,14 +156,15 @@ def test_binding_regime_configs_are_complete():
     assert regime.models.models["student"].sizes["num_hidden_layers"] >= 3
 
 
-def test_teacher_overrides_of_a_teacher_the_demo_does_not_train_are_refused_before_anything_is_written(
-        tmp_path, monkeypatch):
+@pytest.mark.parametrize("key", ["teacher_overrides", "layout"])
+def test_per_teacher_settings_of_a_teacher_the_demo_does_not_train_are_refused_before_anything_is_written(
+        tmp_path, monkeypatch, key):
     configs = tmp_path / "configs"
     shutil.copytree(demo.CONFIG_DIR / "modular", configs / "modular")
     settings = yaml.safe_load((configs / "modular" / "demo.yaml").read_text())
-    settings["teacher_overrides"] = {"teacher_llama": {"learning_rate": 1e-3}}  # built, not in teachers:
+    settings[key] = {"teacher_llama": {"learning_rate": 1e-3}}  # built, not in teachers:
     (configs / "modular" / "demo.yaml").write_text(yaml.safe_dump(settings))
     monkeypatch.setattr(demo, "CONFIG_DIR", configs)
-    with pytest.raises(ConfigError, match=r"teacher_overrides: \['teacher_llama'\] are not teachers this demo trains"):
+    with pytest.raises(ConfigError, match=rf"{key}: \['teacher_llama'\] are not teachers this demo trains"):
         demo_main(["--task", "modular", "--output_dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()

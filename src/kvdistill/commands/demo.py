@@ -437,9 +437,10 @@ class Regime:
         settings = regimes.read_settings(config_path(f"{task}/demo.yaml"), quick)
         regimes.check_data(task, settings.data)
         teachers = regimes.teachers_of(models, settings.teachers)
-        if unknown := sorted(set(settings.teacher_overrides or {}) - set(teachers)):
-            raise ConfigError(f"configs/demo/{task}/demo.yaml teacher_overrides: {unknown} are not teachers this demo "
-                              f"trains ({sorted(teachers)}); name one of them or add it to teachers:")
+        for key in regimes.PER_TEACHER:
+            if unknown := sorted(set(getattr(settings, key) or {}) - set(teachers)):
+                raise ConfigError(f"configs/demo/{task}/demo.yaml {key}: {unknown} are not teachers this demo trains "
+                                  f"({sorted(teachers)}); name one of them or add it to teachers:")
         return Regime(task, settings, models, teachers)
 
 
@@ -492,6 +493,11 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
             jobs[f"probe_{name}"] = [["probe", "--model", str(out / "teachers" / name), "--untrained", "--data",
                                       str(data), "--split", "dev", *flags(s.probe), "--seed", str(seed), "--output_dir",
                                       str(path), "--no_progress"]]
+    layouts = {name: out / "layout" / name for name in s.layout or {}}
+    for name, path in layouts.items():  # the layout of a retrained teacher is read again
+        if fresh[name] or not (path / "layout.json").exists():
+            jobs[f"layout_{name}"] = [["layout", "--model", str(out / "teachers" / name), "--untrained",
+                                       *flags(s.layout[name]), "--seed", str(seed), "--output_dir", str(path)]]
     run_parallel(jobs, workers, out / "logs")
     curve = record_curve(out, curve_run, sizes[student_split])
 
@@ -500,7 +506,7 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
              for n, (_, split) in regime.teachers.items()}
     assets = evidence_assets(out, regime, curve["budget"])
     text = regimes.regime_report(task, out, gates, gate, {n: read_json(p / "probe.json") for n, p in probes.items()}, curve,
-                         assets)
+                                 assets, {n: read_json(p / "layout.json") for n, p in layouts.items()})
     report = write_text_atomic(out / "report.md", text)
     print("\n" + text.split("\n![")[0])
     print(f"\nreport: {report}  ({time.time() - t0:.0f} s)")
