@@ -258,6 +258,14 @@ def to_plain(value: Any) -> Any:
     return value
 
 
+def as_list(value: Any) -> list[str] | None:
+    """A list option as given: `a b` on the command line, a YAML list, or one string holding YAML (`"[a, b]"`)."""
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    value = to_plain(value)
+    return [value] if isinstance(value, str) else value
+
+
 def teacher_name(teacher: str | Mapping[str, Any]) -> str:
     """The name of a `teachers:` entry (a path or a mapping): its `name`, else the last part of its path."""
     spec = {"path": teacher} if isinstance(teacher, str) else teacher

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvdistill.config import ConfigError, check_output_dir, option, parse_config, to_plain
+from kvdistill.config import ConfigError, as_list, check_output_dir, option, parse_config
 from kvdistill.data import DataError
 from kvdistill.probe import LAYOUT_CODES, cycle_order, layer0_codes, layout_scores, untrained_copy
 from kvdistill.runs import resolve_model
@@ -47,8 +47,7 @@ class LayoutConfig:
     seed: int = option(0, "The untrained copies' weights.")
 
     def __post_init__(self) -> None:
-        model = to_plain(self.model)
-        self.model = [model] if isinstance(model, str) else model
+        self.model = as_list(self.model)
         if not self.model or not self.output_dir or self.numbers is None:
             raise ConfigError("pass --model (one or more model dirs or Hub ids), --numbers P and --output_dir DIR")
         if self.numbers < 3:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvdistill.config import ConfigError, check_choice, check_output_dir, option, parse_config, to_plain
+from kvdistill.config import ConfigError, as_list, check_choice, check_output_dir, option, parse_config
 from kvdistill.data import DEFAULT_TEMPLATE, DataError
 from kvdistill.probe import (
     KINDS,
@@ -76,7 +76,7 @@ class ProbeConfig:
     no_progress: bool = option(False, "No progress bar.")
 
     def __post_init__(self) -> None:
-        self.model, self.kinds = _as_list(self.model), _as_list(self.kinds)
+        self.model, self.kinds = as_list(self.model), as_list(self.kinds)
         if not self.model or not self.output_dir:
             raise ConfigError("pass --model (one or more model dirs or Hub ids) and --output_dir DIR")
         for name, parse in (("target", parse_target), ("rows", parse_rows)):
@@ -95,14 +95,6 @@ class ProbeConfig:
                               "--max_length >= 2")
         if not 0 < self.train_fraction < 1:
             raise ConfigError(f"--train_fraction must be in (0, 1), got {self.train_fraction}")
-
-
-def _as_list(value: Any) -> list[str] | None:
-    """A list option as given: `a b` on the command line, a YAML list, or one string holding YAML (`"[a, b]"`)."""
-    if isinstance(value, list) and len(value) == 1:
-        value = value[0]
-    value = to_plain(value)
-    return [value] if isinstance(value, str) else value
 
 
 def model_cells(name: str, result: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
