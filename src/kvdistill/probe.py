@@ -471,8 +471,11 @@ def layout_scores(codes: Tensor, top: int = 2) -> dict[str, Any]:
         power *= 2
     strongest = power.sort(descending=True)
     gram = f @ f.T  # [n, n]
-    diff = (torch.arange(n)[:, None] - torch.arange(n)[None, :]) % n  # [n, n]
-    circulant = torch.stack([gram[diff == k].mean() for k in range(n)])[diff]  # [n, n]
+    idx = torch.arange(n, device=f.device)
+    diff = (idx[:, None] - idx[None, :]) % n  # [n, n]
+    # each cyclic distance k holds exactly n cells of the Gram matrix: its mean is their sum over n
+    means = gram.new_zeros(n).index_add_(0, diff.flatten(), gram.flatten()) / n  # [n]
+    circulant = means[diff]  # [n, n]
     r2 = 1 - ((gram - circulant) ** 2).sum() / ((gram - gram.mean()) ** 2).sum()
     return {"share": float(strongest.values[:top].sum() / power.sum()),
             "frequencies": (strongest.indices[:top] + 1).tolist(), "uniform": top / len(power),
