@@ -100,7 +100,7 @@ from kvdistill.runs import (
     read_run,
     trained,
 )
-from kvdistill.train.config import BOOKKEEPING, TEACHER_SIGNALS, KVDistillConfig
+from kvdistill.train.config import BOOKKEEPING, TEACHER_CONTROLS, TEACHER_SIGNALS, KVDistillConfig
 from kvdistill.train.config import parse_config as parse_train_config
 
 # ----------------------------------------------------------------------------- variants
@@ -879,9 +879,9 @@ CONTROL_TAGS = {"oracle": "positive control: oracle target", "permuted": "contro
 
 
 def control_label(label: str, control: str | None) -> str:
-    """`label` with its run's control named, e.g. `+Relation [control: other-task teacher]`; several teachers'
-    controls (`_control`'s `untrained (a), permuted (b)`, the only form with a parenthesis) as they are."""
-    tag = CONTROL_TAGS.get(str(control), f"controls: {control}" if " (" in str(control) else None)
+    """`label` with its run's control named, e.g. `+Relation [control: other-task teacher]`; a text that is no
+    one control (`_control`'s `untrained (a), permuted (b)` of several teachers' controls) as it is."""
+    tag = CONTROL_TAGS.get(str(control)) or (None if control in (None, *TEACHER_CONTROLS) else f"controls: {control}")
     return label if tag is None or tag in label else f"{label} [{tag}]"
 
 
