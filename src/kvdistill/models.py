@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import socket
+import zlib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -307,6 +308,15 @@ def _add_number_merges(tok: Tokenizer, n: int) -> Tokenizer:
     vocab.update({s: next_id + i for i, s in enumerate(missing)})
     spec["model"]["merges"] = merges + [[s[0], s[1]] for s in missing]
     return Tokenizer.from_str(json.dumps(spec))
+
+
+def untrained_copy(model: PreTrainedModel, name: str, seed: int) -> PreTrainedModel:
+    """A random init of `model`'s config and dtype, on the CPU, seeded by `seed` and `name`: the untrained
+    control of the trainer's teachers, the probe and the layout audit. A seed per name: two controls of one
+    architecture differ, and a control never replays the init a model was made with under the run's seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + zlib.crc32(name.encode()))
+        return AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
 
 
 def save_random_model(cfg: PretrainedConfig, tok: PreTrainedTokenizerBase, path: Path) -> Path:

@@ -40,7 +40,6 @@ Beside the probes, `layout_scores` (`kvdistill layout`): how cyclic a model's co
 from __future__ import annotations
 
 import re
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -409,16 +408,6 @@ def probe_rows(rows: ProbeRows, train_fraction: float = 0.7, *, classification: 
             res["heads"] = {k: h[k].view(L, H) for k in ("score", "shuffled", "lambda")}
         out[kind] = res
     return out
-
-
-def untrained_copy(model: nn.Module, name: str, seed: int) -> nn.Module:
-    """A random init of `model`'s config, seeded by `seed` and `name` (as the trainer's untrained-teacher control)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + zlib.crc32(name.encode()))
-        copy = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
-    return copy.to(next(model.parameters()).device)
 
 
 # ----------------------------------------------------------------------------- number layout (`kvdistill layout`)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -14,7 +13,7 @@ from torch import Tensor, nn
 from kvdistill.cache import PAD, KeySpace, KVCache, forward_with_kv
 from kvdistill.config import ConfigError
 from kvdistill.losses import vocab_intersection
-from kvdistill.models import config_hash, load_model, load_tokenizer
+from kvdistill.models import config_hash, load_model, load_tokenizer, untrained_copy
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +78,7 @@ def load_teacher(spec: Any, student_tokenizer: Any, *, untrained: bool = False, 
     else:
         model = load_model(spec.path, dtype=spec.dtype, quantization=spec.quantization)
     if untrained:
-        from transformers import AutoModelForCausalLM
-
-        with torch.random.fork_rng():
-            # a seed per teacher: two controls of one architecture differ, and a control never
-            # replays the very init a fixture/teacher was made with under the run's seed
-            torch.manual_seed(seed + zlib.crc32(str(spec.name).encode()))
-            model = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
+        model = untrained_copy(model, str(spec.name), seed)
     if spec.tokenizer == "student":
         tokenizer = student_tokenizer
     else:

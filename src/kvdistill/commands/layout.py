@@ -24,7 +24,7 @@ import torch
 
 from kvdistill.config import ConfigError, as_list, check_output_dir, option, parse_config
 from kvdistill.data import DataError
-from kvdistill.probe import LAYOUT_CODES, cycle_order, layer0_codes, layout_scores, untrained_copy
+from kvdistill.probe import LAYOUT_CODES, cycle_order, layer0_codes, layout_scores
 from kvdistill.runs import resolve_model
 
 FORMAT = "kvdistill-layout/1"
@@ -70,7 +70,7 @@ def number_ids(tok: Any, order: list[int], name: str) -> torch.Tensor:
 
 def main(argv: list[str]) -> int:
     from kvdistill.io import write_json_atomic
-    from kvdistill.models import config_hash, load_model, load_tokenizer, resolve_device
+    from kvdistill.models import config_hash, load_model, load_tokenizer, resolve_device, untrained_copy
     from kvdistill.report import environment
 
     a = parse_config(LayoutConfig, argv, "kvdistill layout", __doc__)
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
         found = resolve_model(path, "scoring")  # a run: its final model or newest complete checkpoint
         model, tok = load_model(found, dtype=a.dtype, device=resolve_device(a.device)), load_tokenizer(found)
         ids = number_ids(tok, order, str(path))
-        variants = [(str(path), model, False)] + ([(f"{path} (untrained)", untrained_copy(model, str(path), a.seed), True)]
+        variants = [(str(path), model, False)] + ([(f"{path} (untrained)", untrained_copy(model, str(path), a.seed).to(model.device), True)]
                                                   if a.untrained else [])
         for label, m, untrained in variants:
             codes = layer0_codes(m, ids)

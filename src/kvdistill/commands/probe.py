@@ -34,7 +34,6 @@ from kvdistill.probe import (
     parse_rows,
     parse_target,
     probe_rows,
-    untrained_copy,
 )
 from kvdistill.runs import resolve_model
 
@@ -166,6 +165,7 @@ def main(argv: list[str]) -> int:
         load_model,
         load_tokenizer,
         resolve_device,
+        untrained_copy,
     )
     from kvdistill.report import environment
 
@@ -185,7 +185,7 @@ def main(argv: list[str]) -> int:
         name = _short_name(path, taken)
         variants = [(name, model, False)]
         if a.untrained:
-            variants.append((f"{name} (untrained)", untrained_copy(model, name, a.seed), True))
+            variants.append((f"{name} (untrained)", untrained_copy(model, name, a.seed).to(model.device), True))
         for label, m, untrained in variants:
             rows = collect_rows(m, tok, records, a.target, a.rows, kinds=a.kinds, batch_size=a.batch_size,
                                 max_length=a.max_length, template=a.template, use_chat_template=a.chat_template,
