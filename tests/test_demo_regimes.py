@@ -3,14 +3,16 @@
 import json
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from kvdistill.config import ConfigError
 from kvdistill.data import tokenize_example
 from kvdistill.fields import IGNORE
 from kvdistill.io import REPO_ROOT
-from kvdistill.models import load_tokenizer
+from kvdistill.models import load_model, load_tokenizer
 from kvdistill.regimes import build_models, probe_summary, read_models, read_settings, teachers_of, write_data
+from kvdistill.tasks import binding
 
 SPLITS = {"teacher_pool", "train", "dev", "teacher_dev", "test", "other_task", "other_task_dev"}
 MODULAR = dict(n_dev=10, n_test=10, n_teacher_dev=10, p=11, min_equations=2, max_equations=3)
@@ -71,6 +73,15 @@ def test_models_json_is_honoured(task, modular_data, tmp_path):
             assert [tok.decode(ex["input_ids"][i]) for i in on] == [str(v) for _, _, v in rec["token_fields"]["number"]]
         if spec.tokenizers[m.tokenizer].get("char_level"):  # one token per byte
             assert len(tok("k=b. q=4.", add_special_tokens=False)["input_ids"]) == 9
+        if spec.tokenizers[m.tokenizer].get("word_level"):  # one token per line
+            assert len(tok("k=b. q=4.", add_special_tokens=False)["input_ids"]) == 2
+        if m.init == "compositional":  # crossed lines add up alike: a=x + c=y == a=y + c=x (tasks.binding.compose_lines)
+            emb, ids = load_model(paths[name]).get_input_embeddings().weight, tok.get_vocab()
+            lines = [w for w in ids if binding.LINE.fullmatch(w)]
+            a, x, c, y = next((p[0], p[2], q[0], q[2]) for p in lines for q in lines if p[0] != q[0] and p[2] != q[2]
+                              and f"{p[0]}={q[2]}." in ids and f"{q[0]}={p[2]}." in ids)
+            assert torch.allclose(emb[ids[f"{a}={x}."]] + emb[ids[f"{c}={y}."]], emb[ids[f"{a}={y}."]] + emb[ids[f"{c}={x}."]],
+                                  atol=1e-6)
     # models naming one tokenizer share it
     assert vocab["student"] == vocab["teacher_qwen2"] == vocab["teacher_other"]
     if task == "modular":
@@ -105,6 +116,10 @@ def test_built_models_are_reused_and_refused_when_built_otherwise(modular_data, 
                                                                "tie_word_embeddings": False, "data": "train",
                                                                "sizes": {}}}},
      "model s names tokenizer 'u', not one of"),
+    ({"tokenizers": {"t": {"vocab_size": 9}}, "models": {"s": {"model_type": "qwen2", "tokenizer": "t",
+                                                               "tie_word_embeddings": False, "data": "train",
+                                                               "sizes": {}, "init": "fourier"}}},
+     r"model s: init 'fourier' is not one of \['compositional', 'random'\]"),
     ({"tokenizers": {"t": {"vocab_size": 9}}, "models": {}}, "names no model"),
 ])
 def test_a_bad_models_json_is_refused_in_one_line(tmp_path, content, message):

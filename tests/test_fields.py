@@ -31,6 +31,14 @@ def test_token_takes_its_last_characters_value_and_specials_ignore():
     assert token_values(chars, ends).tolist() == [1, 2, IGNORE, 3]
 
 
+def test_a_token_that_spells_more_than_a_name_takes_the_names_value():
+    # "m=k. x?": m and k resolve to 5, x to 3; a line token "m=k." ends on "." and a query token "x?" on "?"
+    chars = torch.tensor([5, IGNORE, 5, IGNORE, IGNORE, 3, IGNORE])
+    assert token_values(chars, torch.tensor([3, 6])).tolist() == [5, 3]
+    # per character, and a token without a covered character (the "=" alone) keeps IGNORE
+    assert token_values(chars, torch.tensor([0, 1, 2, 3, 5, 6])).tolist() == [5, IGNORE, 5, IGNORE, 3, IGNORE]
+
+
 @pytest.mark.parametrize("tok_name", ["bpe", "bpe_alt"])
 def test_fields_mark_exactly_the_spans_text_under_any_tokenizer(tiny_world, tok_name):
     tok = load_tokenizer(tiny_world.tokenizers[tok_name])

@@ -116,6 +116,22 @@ def test_binding_splits_are_disjoint_and_held_out_ones_unseen(unseen):
     assert not {r["question"] for r in splits["other_task"]} & {r["question"] for r in splits["other_task_dev"]}
 
 
+def test_binding_recall_joins_the_teachers_pool_only_and_other_task_is_one_lookup_shallower():
+    splits = binding.make_splits(n_pool=80, n_train=30, n_dev=20, n_test=20, n_teacher_dev=10, depth=1, n_recall=40,
+                                 seed=3)
+
+    def depths(split):
+        return [resolve(r["question"])[1][resolve(r["question"])[2]] for r in splits[split]]
+
+    assert depths("teacher_pool") == [1] * 80 + [0] * 40  # the hops, then recall
+    assert all(set(depths(s)) == {1} for s in ("train", "dev", "teacher_dev", "test"))  # the student's task: hops
+    assert set(depths("other_task")) == set(depths("other_task_dev")) == {0}
+    assert all(r["answer"] == f"#### {resolve(r['question'])[0][resolve(r['question'])[2]]}"
+               for r in splits["teacher_pool"][80:])  # recall: the query's own line
+    with pytest.raises(ValueError, match="one lookup shallower than depth 0"):
+        binding.make_splits(n_pool=10, n_train=5, n_dev=2, n_test=2, n_teacher_dev=2, depth=0)
+
+
 def test_binding_queried_chain_unseen_is_stricter_than_program():
     """Held-out programs drawn without the chain rule do reuse pool chains (so the rule does something)."""
     pool = binding.generate_programs(2000, seed=0, names=12)
@@ -130,7 +146,7 @@ def test_binding_queried_chain_unseen_is_stricter_than_program():
     (dict(max_chains=5, depth=2, names=14), "need 15 distinct names, only 14 allowed"),
     (dict(min_chains=3, max_chains=2), "min_chains <= max_chains"),
     (dict(max_chains=11, names=26, depth=1), "one distinct root digit per chain"),
-    (dict(depth=0), "depth must be >= 1"),
+    (dict(depth=-1), "depth must be >= 0"),
     (dict(names=27), "names must be in 2..26"),
     (dict(order="random"), "order 'random' is not one of"),
     (dict(unseen="pair"), "unseen 'pair' is not one of"),

@@ -85,3 +85,38 @@ def test_a_saved_qwen2_model_loads_its_whole_number_tokenizer_as_built(tmp_path)
     assert cfg.model_type == "qwen2"
     loaded = load_tokenizer(save_random_model(cfg, tok, tmp_path / "m"))
     assert loaded.tokenize("22+57=20") == ["22", "+", "57", "=", "20"]
+
+
+def test_word_level_makes_each_binding_line_one_token_carrying_its_names_value():
+    recs = binding.generate_programs(60, seed=4, depth=1)
+    tok = build_tokenizer([format_example(r).text for r in recs], 1000, word_level=True)
+    for rec in recs[:20]:
+        ex = tokenize_example(tok, rec)
+        words = tok.convert_ids_to_tokens(ex["input_ids"][:-1])  # but the EOS
+        *lines, _, _, query = rec["question"].split()  # ..., "What", "is", "m?"
+        assert words == ["Question:", *lines, "What", "is", query, "Answer:", "####", rec["answer"][-1]]
+        resolved = {n: root for root, names in binding.chains_of(rec["question"]) for n in names}
+        on = (ex["field:name"] != IGNORE).nonzero().flatten()
+        assert [words[i] for i in on] == [*lines, query]  # every line and the query: one row each
+        # a line token carries its name's value (a link's two names resolve alike), the query its own
+        assert [int(ex["field:value"][i]) for i in on] == [resolved[w[0]] for w in [*lines, query]]
+    assert tok.decode(tok("#### 7", add_special_tokens=False)["input_ids"]) == "#### 7"
+    with pytest.raises(ValueError, match="word_level excludes"):
+        build_tokenizer(["a b"], 100, word_level=True, numbers_whole=10)
+
+
+def test_compose_lines_sums_a_name_vector_and_a_value_vector():
+    tok = build_tokenizer(["a=b. c=d. a=d. c=b. a=3. q?"], 100, word_level=True)
+    vocab = tok.get_vocab()
+    emb = torch.randn(len(tok), 16)
+    before = emb.clone()
+    binding.compose_lines(emb, vocab)
+    e = {w: emb[i] for w, i in vocab.items()}
+    # additive in the two parts: a=b + c=d == a=d + c=b, and a=b - a=d == c=b - c=d (the value's direction)
+    assert torch.allclose(e["a=b."] + e["c=d."], e["a=d."] + e["c=b."], atol=1e-6)
+    assert not torch.allclose(e["a=b."], e["a=d."])
+    lines = [vocab[w] for w in ("a=b.", "c=d.", "a=d.", "c=b.", "a=3.")]
+    others = [i for i in range(len(tok)) if i not in lines]
+    assert torch.equal(emb[others], before[others])  # only the line tokens are set
+    with pytest.raises(ValueError, match="no line tokens"):
+        binding.compose_lines(emb, {"a": 0, "b": 1})

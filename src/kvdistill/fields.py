@@ -7,8 +7,8 @@ character spans of the record's `question` (start, end exclusive, an integer val
     {"question": "b=7. k=b. What is k?", "answer": "#### 7",
      "token_fields": {"value": [[0, 1, 7], [5, 6, 7], [7, 8, 7]], "chain": [[0, 1, 0], [5, 6, 0], [7, 8, 0]]}}
 
-`token_values` maps them onto a tokenization by the rule the segments use (a token takes the value of
-its last character), so the probe, the oracle control and `relation_rows: field:<name>` read the same
+`token_values` maps them onto a tokenization (a token takes the value of the last of its characters that
+a span covers), so the probe, the oracle control and `relation_rows: field:<name>` read the same
 facts through the student's and every teacher's tokenizer. Tokens outside every span get `IGNORE`.
 """
 
@@ -62,7 +62,11 @@ def char_values(n_chars: int, spans: Spans, offset: int = 0) -> Tensor:
 
 
 def token_values(chars: Tensor, token_ends: Tensor) -> Tensor:
-    """Each token's value: that of its last character; `IGNORE` for tokens without characters.
+    """Each token's value: that of the last of its characters a span covers; `IGNORE` for tokens without one.
+
+    A token holds the characters after the previous token's last one up to its own last, so a name
+    keeps its value in a token that spells more around it (a line token `m=k.` takes `k`'s, a BPE
+    token ` e` takes `e`'s); whitespace between tokens is covered by no span.
 
     Args:
         chars: `[C]` per-character values (`char_values`).
@@ -71,8 +75,12 @@ def token_values(chars: Tensor, token_ends: Tensor) -> Tensor:
     Returns:
         `[T]` long.
     """
-    has_chars = token_ends >= 0
-    return torch.where(has_chars, chars[token_ends.clamp(min=0)], torch.tensor(IGNORE))
+    at = torch.arange(len(chars))
+    last_covered = torch.cummax(torch.where(chars != IGNORE, at, -1), dim=0).values  # [C] last covered index <= c
+    before = torch.cummax(torch.cat([token_ends.new_full((1,), -1), token_ends[:-1]]), dim=0).values  # [T]
+    last = last_covered[token_ends.clamp(min=0)]  # [T]
+    inside = (token_ends >= 0) & (last > before)
+    return torch.where(inside, chars[last.clamp(min=0)], torch.tensor(IGNORE))
 
 
 def tokens_of(fields: tuple[tuple[str, Spans], ...], text: str, question: str, token_ends: Tensor

@@ -13,6 +13,7 @@ import os
 import pickle
 import socket
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -262,7 +263,8 @@ SPECIAL = {"eos_token": "</s>", "pad_token": "<pad>", "bos_token": "<s>", "unk_t
 
 
 def build_tokenizer(
-    texts: list[str], vocab_size: int, split_digits: bool = False, char_level: bool = False, numbers_whole: int = 0
+    texts: list[str], vocab_size: int, split_digits: bool = False, char_level: bool = False, numbers_whole: int = 0,
+    word_level: bool = False,
 ) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on `texts`; different sizes give different token counts.
 
@@ -272,7 +274,18 @@ def build_tokenizer(
     `numbers_whole=N` (at most 100) makes every number 0..N-1 written as a digit run of its own one
     token, the same token wherever it stands (digit runs are split from the text around them, and
     the merges of the numbers the training did not learn are added): modular tasks' number tokens.
+    `word_level=True` makes every whitespace-separated word of `texts` one token (the `vocab_size` most
+    frequent; others read as `<unk>`): a binding program's line `m=k.` is one token, so each lookup is one
+    content match instead of a previous-token head composed with a matching one (docs/tasks.md).
     """
+    if word_level:
+        if split_digits or char_level or numbers_whole:
+            raise ValueError("word_level excludes split_digits, char_level and numbers_whole (whole words only)")
+        tok = Tokenizer(models.WordLevel(unk_token=SPECIAL["unk_token"]))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.train_from_iterator(texts, trainer=trainers.WordLevelTrainer(
+            vocab_size=vocab_size, special_tokens=list(SPECIAL.values()), show_progress=False))
+        return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
     if split_digits and numbers_whole:
         raise ValueError("split_digits and numbers_whole exclude each other (digits split vs whole numbers)")
     if not 0 <= numbers_whole <= 100:  # 3-digit runs would need merges that BPE's ranks cannot order
@@ -319,12 +332,18 @@ def untrained_copy(model: PreTrainedModel, name: str, seed: int) -> PreTrainedMo
         return AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
 
 
-def save_random_model(cfg: PretrainedConfig, tok: PreTrainedTokenizerBase, path: Path) -> Path:
+def save_random_model(cfg: PretrainedConfig, tok: PreTrainedTokenizerBase, path: Path,
+                      embed_init: Callable[[torch.Tensor, dict[str, int]], None] | None = None) -> Path:
     """A random-init causal LM of `cfg` using `tok`'s special tokens, saved with `tok` at `path`.
 
-    Seeding is the caller's: the weights come from torch's global RNG.
+    `embed_init(input embedding [V, d], tok's vocab)` rewrites rows of the input embedding in place
+    (a task's structured init, e.g. `tasks.binding.compose_lines`). Seeding is the caller's: the
+    weights come from torch's global RNG.
     """
     cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tok.eos_token_id, tok.pad_token_id, tok.bos_token_id
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(cfg)
+    if embed_init is not None:
+        embed_init(model.get_input_embeddings().weight, tok.get_vocab())
+    model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

@@ -3,8 +3,9 @@ random-init models a `models.json` names (`configs/demo/binding/`, `configs/demo
 
 `models.json` holds `tokenizers` (`name -> keyword arguments of models.build_tokenizer`, e.g.
 `{"vocab_size": 384, "numbers_whole": 59}`) and `models` (`name -> {model_type, tokenizer,
-tie_word_embeddings, data, sizes}`: `data` is the split the model trains on, `sizes` go to
-`AutoConfig.for_model` beside `vocab_size` and `max_position_embeddings`). `build_models` trains each
+tie_word_embeddings, data, sizes[, init]}`: `data` is the split the model trains on, `sizes` go to
+`AutoConfig.for_model` beside `vocab_size` and `max_position_embeddings`, `init` names an embedding
+init of `EMBED_INITS`, random when absent). `build_models` trains each
 tokenizer once on the texts of `teacher_pool` and saves every model, seeded, with its tokenizer: the
 same files whoever builds them (the demo, an ablation, a scratch script).
 
@@ -35,7 +36,8 @@ SPLIT_MAKERS = {"binding": binding.make_splits, "modular": modular.make_splits} 
 KNOBS_OF = {"binding": (binding.generate_programs,)}  # where a make_splits hands its other **knobs
 TOKENIZER_TEXTS = 4000  # teacher_pool records the tokenizers learn from
 MAX_POSITIONS = 256  # default max_position_embeddings (a model's `sizes` may set its own)
-MODEL_KEYS = ("model_type", "tokenizer", "tie_word_embeddings", "data", "sizes")
+MODEL_KEYS = ("model_type", "tokenizer", "tie_word_embeddings", "data", "sizes")  # and `init`, optional
+EMBED_INITS = {"random": None, "compositional": binding.compose_lines}  # init -> models.save_random_model's embed_init
 SAVED_SPEC = "models.json"  # beside the built models: what they were built from (reuse check)
 GATE_SPLIT = {"teacher_pool": "teacher_dev", "other_task": "other_task_dev"}  # a teacher's split -> its gate split
 
@@ -47,6 +49,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     data: str  # the split it trains on
     sizes: dict[str, Any]  # hidden_size, num_hidden_layers, ... (AutoConfig keyword arguments)
+    init: str = "random"  # a key of EMBED_INITS
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,11 @@ def read_models(path: str | Path) -> Models:
                               f"{sorted(allowed)}; got {opts}")
     models = {}
     for name, m in raw["models"].items():
-        if not isinstance(m, dict) or set(m) != set(MODEL_KEYS):
-            raise ConfigError(f"{path}: model {name} needs exactly the keys {list(MODEL_KEYS)}, got "
-                              f"{sorted(m) if isinstance(m, dict) else m}")
+        if not isinstance(m, dict) or not set(MODEL_KEYS) <= set(m) <= {*MODEL_KEYS, "init"}:
+            raise ConfigError(f"{path}: model {name} needs exactly the keys {list(MODEL_KEYS)} (and init, optional), "
+                              f"got {sorted(m) if isinstance(m, dict) else m}")
+        if m.get("init", "random") not in EMBED_INITS:
+            raise ConfigError(f"{path}: model {name}: init {m['init']!r} is not one of {sorted(EMBED_INITS)}")
         if m["tokenizer"] not in raw["tokenizers"]:
             raise ConfigError(f"{path}: model {name} names tokenizer {m['tokenizer']!r}, not one of "
                               f"{sorted(raw['tokenizers'])}")
@@ -103,8 +108,10 @@ def build_models(spec_path: str | Path, data: str | Path, out: str | Path, seed:
                           "teacher pool; write the data first (`kvdistill gen-data --task binding|modular`)")
     texts = [format_example(r).text for r in records]
     paths = {name: out / name for name in spec.models}
+    # a random init is left out of the record: models built before `init` existed still match it
+    models = {n: {k: v for k, v in vars(m).items() if (k, v) != ("init", "random")} for n, m in spec.models.items()}
     made_from = {"seed": seed, "texts": hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16],
-                 "tokenizers": spec.tokenizers, "models": {n: vars(m) for n, m in spec.models.items()}}
+                 "tokenizers": spec.tokenizers, "models": models}
     saved = read_json(out / SAVED_SPEC)
     if saved is not None and saved != made_from:
         raise ConfigError(f"{out} holds models built from another models.json, seed or data than {spec_path} (seed "
@@ -120,7 +127,7 @@ def build_models(spec_path: str | Path, data: str | Path, out: str | Path, seed:
                                    **{"max_position_embeddings": MAX_POSITIONS, **m.sizes})
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + i)
-            save_random_model(cfg, toks[m.tokenizer], paths[name])
+            save_random_model(cfg, toks[m.tokenizer], paths[name], EMBED_INITS[m.init])
     write_json_atomic(out / SAVED_SPEC, made_from)
     return paths
 

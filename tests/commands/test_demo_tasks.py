@@ -150,7 +150,6 @@ def test_binding_regime_configs_are_complete():
     """What `--task binding` reads, read as it does: the teachers, their gate splits and the probe target."""
     regime = demo.Regime.load("binding", quick=True)
     assert regime.teachers == {"teacher_qwen2": ("teacher_pool", "teacher_dev"),
-                               "teacher_llama": ("teacher_pool", "teacher_dev"),
                                "teacher_other": ("other_task", "other_task_dev")}
     assert (regime.settings.probe["target"], regime.settings.probe["rows"]) == ("field:value", "field:name")
     assert regime.models.models["student"].sizes["num_hidden_layers"] >= 3

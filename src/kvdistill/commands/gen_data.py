@@ -4,7 +4,7 @@ Tasks (docs/tasks.md):
   arithmetic  multi-step add/subtract word problems with a rationale: train, dev, test
   binding     variable-binding programs (`b=7. k=b. What is k?` -> `#### 7`): teacher_pool, train (the
               student's labelled subset of the pool), dev, teacher_dev (the teachers' gate), test,
-              other_task and other_task_dev (depth-1 programs, for the other-task control teacher)
+              other_task and other_task_dev (one lookup shallower, for the other-task control teacher)
   modular     `a+b mod p`, several equations per sequence, one asked: the same splits; train covers
               `labelled` of the table, dev and test ask pairs without a label, other_task is `a*b mod p`
 
@@ -55,11 +55,12 @@ class GenDataConfig:
     n_pool: int = knob(20000, "Programs in the teachers' pool (and in other_task).", "binding")
     n_teacher_dev: int = knob(200, "Held-out problems of the teachers' gate (and of other_task_dev).",
                               "binding", "modular")
-    other_task: bool = knob(True, "Also write other_task / other_task_dev (binding: depth-1 programs; modular: "
+    other_task: bool = knob(True, "Also write other_task / other_task_dev (binding: one lookup shallower; modular: "
                             "the other op).", "binding", "modular")
     min_chains: int = knob(2, "Fewest chains per program.", "binding")
     max_chains: int = knob(3, "Most chains per program (at most 10: one root digit each).", "binding")
-    depth: int = knob(2, "Lookups from the queried name to its digit (1: the depth-1 variant).", "binding")
+    depth: int = knob(2, "Lookups from the queried name to its digit (1: the depth-1 variant, 0: recall).", "binding")
+    n_recall: int = knob(0, "Depth-0 programs added to the teachers' pool (recall beside the hops).", "binding")
     names: int = knob(14, "Variable names to draw from (the first N lowercase letters).", "binding")
     order: str = knob("interleave", f"Line order, one of {binding.ORDERS}: interleave keeps each chain's lines in "
                       "definition order (every name's value is known where it stands); shuffle does not.", "binding")
@@ -85,7 +86,7 @@ class GenDataConfig:
             if tasks and self.task not in tasks and getattr(self, f.name) != f.default:
                 raise ConfigError(f"--{f.name} is an option of --task {'/'.join(tasks)}, not of {self.task}; "
                                   "drop it or pick that task")
-        counts = ("n_train", "n_dev", "n_test", "n_pool", "n_teacher_dev")
+        counts = ("n_train", "n_dev", "n_test", "n_pool", "n_teacher_dev", "n_recall")
         if bad := [n for n in counts if getattr(self, n) < 0]:
             raise ConfigError(f"{', '.join(bad)} must be >= 0")
         if self.task == "arithmetic":
@@ -110,8 +111,8 @@ def make_task_splits(cfg: GenDataConfig) -> dict[str, list[dict]]:
     if cfg.task == "binding":
         return binding.make_splits(
             n_pool=cfg.n_pool, n_train=cfg.n_train, n_dev=cfg.n_dev, n_test=cfg.n_test,
-            n_teacher_dev=cfg.n_teacher_dev, other_task=cfg.other_task, seed=cfg.seed, unseen=cfg.unseen,
-            min_chains=cfg.min_chains, max_chains=cfg.max_chains, depth=cfg.depth, names=cfg.names, order=cfg.order,
+            n_teacher_dev=cfg.n_teacher_dev, n_recall=cfg.n_recall, other_task=cfg.other_task, seed=cfg.seed,
+            unseen=cfg.unseen, min_chains=cfg.min_chains, max_chains=cfg.max_chains, depth=cfg.depth, names=cfg.names, order=cfg.order,
         )
     if cfg.task == "modular":
         return modular.make_splits(

@@ -6,7 +6,8 @@ A program holds 2-3 chains of `depth + 1` single-letter names: a root bound to a
 `depth` names each bound to the one before. The query asks for the last name of one chain, so
 answering takes `depth` lookups whose route differs in every problem (names, values and line
 order are drawn anew): which position to read next is instance-specific, which is what a teacher's
-attention and keys carry and its output distribution (one digit) does not.
+attention and keys carry and its output distribution (one digit) does not. Depth 0 is recall (the
+query's own line holds its digit): the step a teacher learns before the hop (`n_recall`).
 
 Line order: `interleave` (default) merges the chains' lines at random, each chain's lines in
 definition order, so every name's value is already determined where the name stands (a causal
@@ -20,13 +21,20 @@ Per-token fields (`kvdistill.fields`), character spans of the question, on every
     name   1 (the row mask of name and query tokens)
 
 Deterministic in the seed.
+
+`compose_lines` gives a word-level tokenizer's line tokens (`m=k.`, `models.build_tokenizer(word_level=True)`)
+an embedding made of a vector of their name and one of their value: the init under which a teacher
+learns the hop on CPU (docs/tasks.md).
 """
 
 from __future__ import annotations
 
 import random
+import re
 import string
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+
+import torch
 
 from kvdistill.tasks import Piece, spell
 
@@ -127,8 +135,8 @@ def check_knobs(*, min_chains: int, max_chains: int, depth: int, names: int, ord
     if not 1 <= min_chains <= max_chains <= 10:
         raise ValueError(f"need 1 <= min_chains <= max_chains <= 10 (one distinct root digit per chain), got "
                          f"{min_chains}, {max_chains}")
-    if depth < 1:
-        raise ValueError(f"depth must be >= 1 (lookups from the query to its digit), got {depth}")
+    if depth < 0:
+        raise ValueError(f"depth must be >= 0 (lookups from the query to its digit; 0: recall), got {depth}")
     if not 2 <= names <= len(NAME_POOL):
         raise ValueError(f"names must be in 2..{len(NAME_POOL)} (single letters), got {names}")
     if max_chains * (depth + 1) > names:
@@ -147,6 +155,8 @@ def make_splits(
     n_dev: int,
     n_test: int,
     n_teacher_dev: int,
+    depth: int = 2,
+    n_recall: int = 0,
     other_task: bool = True,
     seed: int = 0,
     unseen: str = "program",
@@ -154,20 +164,51 @@ def make_splits(
 ) -> dict[str, list[dict]]:
     """The splits of the binding regime, `{name: records}`.
 
-    teacher_pool: the teachers' training programs; train: the student's labelled subset (its first
-    `n_train`); dev, teacher_dev (the teachers' gate), test: held-out programs that share nothing
-    `unseen` names with the pool nor a question with each other; other_task, other_task_dev: depth-1
-    programs of the same names and chains (the `other_task` teacher's pool and gate).
+    teacher_pool: the teachers' training programs, then `n_recall` depth-0 ones (recall beside the hops:
+    without it a teacher sits on guessing a prompt digit, docs/tasks.md); train: the student's labelled
+    subset (its first `n_train`); dev, teacher_dev (the teachers' gate), test: held-out programs that
+    share nothing `unseen` names with the pool nor a question with each other; other_task,
+    other_task_dev: programs one lookup shallower, of the same names and chains (the `other_task`
+    teacher's pool and gate).
     """
     if n_train > n_pool:
         raise ValueError(f"n_train {n_train} > n_pool {n_pool}: the student's labelled programs are a subset of "
                          "the teachers' pool; raise n_pool")
-    pool = generate_programs(n_pool, seed, **knobs)
-    held = generate_programs(n_dev + n_teacher_dev + n_test, seed + 1_000_003, unseen=unseen, exclude=pool, **knobs)
-    splits = {"teacher_pool": pool, "train": pool[:n_train], "dev": held[:n_dev],
+    pool = generate_programs(n_pool, seed, depth=depth, **knobs)
+    recall = generate_programs(n_recall, seed + 3_000_009, depth=0, **knobs) if n_recall else []
+    held = generate_programs(n_dev + n_teacher_dev + n_test, seed + 1_000_003, depth=depth, unseen=unseen, exclude=pool,
+                             **knobs)
+    splits = {"teacher_pool": pool + recall, "train": pool[:n_train], "dev": held[:n_dev],
               "teacher_dev": held[n_dev:n_dev + n_teacher_dev], "test": held[n_dev + n_teacher_dev:]}
     if other_task:
-        one = {**knobs, "depth": 1}
-        other = generate_programs(n_pool + n_teacher_dev, seed + 2_000_006, **one)
+        if depth == 0:
+            raise ValueError("other_task programs are one lookup shallower than depth 0; set depth >= 1 or "
+                             "turn other_task off")
+        other = generate_programs(n_pool + n_teacher_dev, seed + 2_000_006, depth=depth - 1, **knobs)
         splits.update(other_task=other[:n_pool], other_task_dev=other[n_pool:])
     return splits
+
+
+LINE = re.compile(r"([a-z])=([a-z0-9])\.")  # a line token: name, "=", a name or digit, "."
+
+
+@torch.no_grad()
+def compose_lines(embedding: torch.Tensor, vocab: Mapping[str, int]) -> None:
+    """Set the rows of `embedding` (`[V, d]`, in place) of every line token in `vocab` to (a vector of its
+    name + a vector of its value) / sqrt 2, each drawn once per symbol at the rows' own scale.
+
+    Why: a line read as a whole token is a symbol that says nothing about its parts; this way `m=k.` and
+    `m=3.` share their name's direction and `m=k.` and `q=k.` their value's, so matching a name needs no
+    table of 336 symbols first (the one hop is learned with it, not without, on CPU: docs/tasks.md).
+    Seeding is the caller's (torch's global RNG)."""
+    lines = [(i, *m.groups()) for tok, i in vocab.items() if (m := LINE.fullmatch(tok))]
+    if not lines:
+        raise ValueError("the tokenizer has no line tokens like 'm=k.'; build it with word_level=True")
+    ids, names, values = zip(*lines, strict=True)
+    name_set, value_set = sorted(set(names)), sorted(set(values))
+    std = embedding.std()
+    name_vec = torch.randn(len(name_set), embedding.shape[1]) * std  # [N, d]
+    value_vec = torch.randn(len(value_set), embedding.shape[1]) * std  # [W, d]
+    n = torch.tensor([name_set.index(x) for x in names])
+    v = torch.tensor([value_set.index(x) for x in values])
+    embedding[list(ids)] = ((name_vec[n] + value_vec[v]) / 2 ** 0.5).to(embedding.dtype)  # [lines, d]
