@@ -11,6 +11,7 @@ from kvdistill.commands import demo
 from kvdistill.commands.demo import DemoConfig
 from kvdistill.commands.demo import main as demo_main
 from kvdistill.config import ConfigError, parse_config
+from kvdistill.models import load_tokenizer
 
 SPLITS = ("teacher_pool", "train", "dev", "teacher_dev", "test", "other_task", "other_task_dev")
 STEPS = {"teacher_qwen2": 4, "teacher_other": 3}  # quick: teacher_steps, teacher_other's teacher_overrides
@@ -101,6 +102,28 @@ def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, capsys, runner, in
     with pytest.raises(SystemExit, match=r"quality gate: teacher teacher_qwen2 reached .* on teacher_dev, .* below "
                                          r"the 0.99 gate"):
         demo_main(["--task", "modular", "--quick", "--output_dir", str(out), "--gate", "0.99"])
+
+
+def test_demo_binding_quick_end_to_end(tmp_path, monkeypatch, in_process):
+    """The binding regime's assets: one-hop programs with recall beside them in the teachers' pool, whole-line
+    tokens, untied compositional inits, both teachers gated and probed on their line and query tokens."""
+    monkeypatch.setattr(demo, "run_parallel", in_process)
+    out = tmp_path / "demo"
+    assert demo_main(["--task", "binding", "--quick", "--output_dir", str(out)]) == 0
+    pool = [json.loads(x) for x in (out / "data" / "teacher_pool.jsonl").read_text().splitlines()]
+    recall = [r for r in pool if f"{r['question'][-2]}={r['answer'][-1]}." in r["question"].split()]
+    assert len(pool) == 300 and pool[200:] == recall[-100:]  # quick: 200 one-hop programs, then 100 recall ones
+    tok = load_tokenizer(out / "init" / "student")
+    assert tok.tokenize("b=7. m=b. What is m?") == ["b=7.", "m=b.", "What", "is", "m?"]
+    for name in ("teacher_qwen2", "teacher_llama", "teacher_other", "student"):
+        assert json.loads((out / "init" / name / "config.json").read_text())["tie_word_embeddings"] is False
+    report = (out / "report.md").read_text()
+    for name in ("teacher_qwen2", "teacher_other"):
+        probe = json.loads((out / "probe" / name / "probe.json").read_text())
+        assert (probe["target"], probe["rows"]) == ("field:value", "field:name")
+        assert f"| {name} | " in report.split("**Probe audit**")[1]
+    assert not (out / "teachers" / "teacher_llama").exists()
+    assert json.loads((out / "sft_curve.json").read_text())["budget"] in (2, 4)
 
 
 def test_each_task_has_its_own_default_output_dir():
