@@ -33,10 +33,12 @@ import random
 import re
 import string
 from collections.abc import Iterable, Mapping
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvdistill.tasks import Piece, spell
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 NAME_POOL = string.ascii_lowercase
 ORDERS = ("interleave", "shuffle")
@@ -192,23 +194,24 @@ def make_splits(
 LINE = re.compile(r"([a-z])=([a-z0-9])\.")  # a line token: name, "=", a name or digit, "."
 
 
-@torch.no_grad()
-def compose_lines(embedding: torch.Tensor, vocab: Mapping[str, int]) -> None:
+def compose_lines(embedding: Tensor, vocab: Mapping[str, int]) -> None:
     """Set the rows of `embedding` (`[V, d]`, in place) of every line token in `vocab` to (a vector of its
     name + a vector of its value) / sqrt 2, each drawn once per symbol at the rows' own scale.
 
     Why: a line read as a whole token is a symbol that says nothing about its parts; this way `m=k.` and
     `m=3.` share their name's direction and `m=k.` and `q=k.` their value's, so matching a name needs no
     table of 336 symbols first (the one hop is learned with it, not without, on CPU: docs/tasks.md).
-    Seeding is the caller's (torch's global RNG)."""
+    Seeding is the caller's (torch's global RNG). Tensor methods only: `gen-data` imports this module and
+    stays free of torch."""
     lines = [(i, *m.groups()) for tok, i in vocab.items() if (m := LINE.fullmatch(tok))]
     if not lines:
         raise ValueError("the tokenizer has no line tokens like 'm=k.'; build it with word_level=True")
     ids, names, values = zip(*lines, strict=True)
     name_set, value_set = sorted(set(names)), sorted(set(values))
-    std = embedding.std()
-    name_vec = torch.randn(len(name_set), embedding.shape[1]) * std  # [N, d]
-    value_vec = torch.randn(len(value_set), embedding.shape[1]) * std  # [W, d]
-    n = torch.tensor([name_set.index(x) for x in names])
-    v = torch.tensor([value_set.index(x) for x in values])
-    embedding[list(ids)] = ((name_vec[n] + value_vec[v]) / 2 ** 0.5).to(embedding.dtype)  # [lines, d]
+    rows = embedding.detach()  # the parameter's storage, written without autograd
+    std = rows.std()
+    name_vec = rows.new_empty(len(name_set), rows.shape[1]).normal_() * std  # [N, d]
+    value_vec = rows.new_empty(len(value_set), rows.shape[1]).normal_() * std  # [W, d]
+    n = [name_set.index(x) for x in names]
+    v = [value_set.index(x) for x in values]
+    rows[list(ids)] = (name_vec[n] + value_vec[v]) / 2 ** 0.5  # [lines, d]
