@@ -81,7 +81,7 @@ def read_models(path: str | Path) -> Models:
         if not isinstance(m, dict) or not set(MODEL_KEYS) <= set(m) <= {*MODEL_KEYS, "init"}:
             raise ConfigError(f"{path}: model {name} needs exactly the keys {list(MODEL_KEYS)} (and init, optional), "
                               f"got {sorted(m) if isinstance(m, dict) else m}")
-        if m.get("init", "random") not in EMBED_INITS:
+        if m.get("init", ModelSpec.init) not in EMBED_INITS:
             raise ConfigError(f"{path}: model {name}: init {m['init']!r} is not one of {sorted(EMBED_INITS)}")
         if m["tokenizer"] not in raw["tokenizers"]:
             raise ConfigError(f"{path}: model {name} names tokenizer {m['tokenizer']!r}, not one of "
@@ -109,7 +109,7 @@ def build_models(spec_path: str | Path, data: str | Path, out: str | Path, seed:
     texts = [format_example(r).text for r in records]
     paths = {name: out / name for name in spec.models}
     # a random init is left out of the record: models built before `init` existed still match it
-    models = {n: {k: v for k, v in vars(m).items() if (k, v) != ("init", "random")} for n, m in spec.models.items()}
+    models = {n: {k: v for k, v in vars(m).items() if (k, v) != ("init", ModelSpec.init)} for n, m in spec.models.items()}
     made_from = {"seed": seed, "texts": hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16],
                  "tokenizers": spec.tokenizers, "models": models}
     saved = read_json(out / SAVED_SPEC)

@@ -112,7 +112,8 @@ def make_task_splits(cfg: GenDataConfig) -> dict[str, list[dict]]:
         return binding.make_splits(
             n_pool=cfg.n_pool, n_train=cfg.n_train, n_dev=cfg.n_dev, n_test=cfg.n_test,
             n_teacher_dev=cfg.n_teacher_dev, n_recall=cfg.n_recall, other_task=cfg.other_task, seed=cfg.seed,
-            unseen=cfg.unseen, min_chains=cfg.min_chains, max_chains=cfg.max_chains, depth=cfg.depth, names=cfg.names, order=cfg.order,
+            unseen=cfg.unseen, min_chains=cfg.min_chains, max_chains=cfg.max_chains, depth=cfg.depth, names=cfg.names,
+            order=cfg.order,
         )
     if cfg.task == "modular":
         return modular.make_splits(
