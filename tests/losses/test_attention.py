@@ -257,7 +257,6 @@ def test_attention_config_refusals(tiny_world, tmp_path):
 
     for change, named in (({"key_space": "pre_rope"}, "set key_space: post_rope"),
                           ({"fusion": "kv_mean"}, "kv_mean"),
-                          ({"kv_loss": "mercator", "relation_rows": "answer"}, "relation_rows selects"),
                           ({"relation_rows": "answers"}, "relation_rows 'answers'"),
                           ({"relation_rows": "field:digit", "lmbda": 0.5}, "generated completions")):
         with pytest.raises(ConfigError, match=named):

@@ -49,7 +49,7 @@ ORACLE = {"kv_loss": "relation", "kv_weight": 1.0, "relation_heads": 1, "relatio
 
 @pytest.mark.parametrize("change, match", [
     ({**ORACLE, "logit_kd_weight": 1.0}, "oracle has no logits"),
-    ({**ORACLE, "kv_loss": "cosine"}, "oracle is a relation target"),
+    ({**ORACLE, "kv_loss": "attention"}, "oracle is a key/value target"),
     ({**ORACLE, "teacher_capture": "somewhere"}, "oracle runs no teacher"),
     ({"teacher_control": "oracle", "kv_weight": 0.0}, "controls a teacher signal"),
     ({"teacher_control": "permuted"}, "permute must be one of"),
@@ -65,9 +65,13 @@ def test_impossible_combinations_are_refused_in_one_line(base_args, change, matc
     assert "\n" not in str(err.value)
 
 
-def test_oracle_run_trains_end_to_end_on_the_class_field(base_args, tmp_path):
+@pytest.mark.parametrize("loss", [{}, {"kv_loss": "cosine", "relation_heads": 8, "key_space": "pre_rope",
+                                      "direction": "student_to_teacher", "relation_rows": "field:chain"}])
+def test_oracle_run_trains_end_to_end_on_the_class_field(base_args, tmp_path, loss):
+    """The oracle as a relation target, and as a per-token code an element loss reads through the projector
+    (one head holds the code whatever relation_heads says: only the relation loss splits heads)."""
     data = binding_data(tmp_path / "binding")
-    trainer = build_trainer(parse_config(base_args(data=str(data), **ORACLE)))
+    trainer = build_trainer(parse_config(base_args(data=str(data), **{**ORACLE, **loss})))
     assert all(is_captured(t) for t in trainer.teachers)  # the oracle reads no teacher weights
     assert trainer.oracle_width == 2  # chains 0 and 1
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])

@@ -258,6 +258,25 @@ def test_zero_weight_segment_is_outside_the_kv_loss(base_args):
     assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-6)
 
 
+def test_element_loss_reads_only_the_rows_relation_rows_selects(base_args):
+    """relation_rows answer with an element loss (mercator): the teacher's KV off the answer rows can be anything,
+    the loss does not change; on the answer rows it does (the rows are the tokens the loss compares)."""
+    trainer = build_trainer(parse_config(base_args(max_samples=8, kv_weight=1, relation_rows="answer")))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    ((name, kv),) = _teacher_kvs(trainer, batch).items()
+
+    def noisy(where):  # [B, T] -> the cache with its keys and values moved there
+        w = where[None, :, None, :, None]
+        return type(kv)(kv.keys + 10 * torch.randn_like(kv.keys) * w, kv.values - 3 * w, kv.attention_mask,
+                        kv.segment_ids)
+
+    with torch.no_grad():
+        loss = [float(trainer.distill_model(**{k: batch[k] for k in KEYS}, teacher_kvs={name: c}, kv_scale=1.0)["loss"])
+                for c in (kv, noisy(kv.segment_ids != 2), noisy(kv.segment_ids == 2))]
+    assert loss[1] == pytest.approx(loss[0], rel=1e-6)
+    assert abs(loss[2] - loss[0]) > 1e-3
+
+
 # ------------------------------------------------------------------ (c) where the KV gradient goes
 def test_kv_gradient_reaches_student_and_aligner_not_teachers(two_teachers):
     trainer, model = two_teachers, two_teachers.distill_model

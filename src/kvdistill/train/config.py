@@ -211,10 +211,12 @@ class KVDistillConfig(TrainingArguments):
                                  affects="student_loss", valid=">= 1")
     relation_temperature: float = option(1.0, "kv_loss relation: softmax temperature of the relation matrices.",
                                          affects="student_loss", valid="> 0")
-    relation_rows: str = option("all", "kv_loss relation / attention: the query rows the loss reads: all | answer | "
-                                "segment names, comma-separated (prompt,reasoning,answer) | field:<name> (the "
-                                "tokens where the data's per-token field <name> is > 0). The KL on the rows read and "
-                                "on the other rows is logged either way (<loss>_kl_selected / _other).",
+    relation_rows: str = option("all", "The rows the KV loss reads (kv_loss relation / attention: its query rows, "
+                                "every valid token stays a key; an element loss: the tokens it compares): all | answer "
+                                "| segment names, comma-separated (prompt,reasoning,answer) | field:<name> (the "
+                                "tokens where the data's per-token field <name> is > 0). For relation / attention the "
+                                "KL on the rows read and on the other rows is logged either way "
+                                "(<loss>_kl_selected / _other).",
                                 affects="student_loss", card="signals")
     relation_chunk_size: int | None = option(None, "kv_loss relation / attention: query rows per chunk (memory "
                                              "O(L*B*R*C*T) "
@@ -300,9 +302,9 @@ class KVDistillConfig(TrainingArguments):
                                       affects="teacher_outputs")
     teacher_control: str = option("none", f"Control run {TEACHER_CONTROLS}: untrained = random-init copies of the "
                                   "teachers; shuffled = each sample gets another sample's teacher (a derangement "
-                                  "within the batch); oracle = the relation target of the data's class field "
+                                  "within the batch); oracle = a cache coding the data's class field "
                                   "(oracle_field) in place of each teacher (its layer count and layer map kept, no "
-                                  "weights loaded; kv_loss relation); permuted = teachers read the text with "
+                                  "weights loaded): a relation target, or through the projector a per-token code; permuted = teachers read the text with "
                                   "`permute` applied (the student the original); other_task = the listed teachers "
                                   "are trained on a related task without the knowledge (run as usual, labelled a "
                                   "control). A gain must beat the controls to count as knowledge transfer.",
@@ -527,8 +529,9 @@ class KVDistillConfig(TrainingArguments):
         if c == "oracle":
             if any(t.control is not None for t in self.teacher_configs):
                 raise ConfigError("teacher_control: oracle replaces every teacher; drop the teachers' own `control`")
-            if self.kv_loss != "relation" or self.kv_weight <= 0:
-                raise ConfigError("teacher_control: oracle is a relation target; set kv_loss: relation and kv_weight > 0")
+            if self.kv_loss == "attention" or self.kv_weight <= 0:
+                raise ConfigError("teacher_control: oracle is a key/value target (no queries, no attention map); set "
+                                  "kv_weight > 0 and a kv_loss other than attention")
             if self.logit_kd_weight > 0 or self.codi_weight > 0:
                 raise ConfigError("teacher_control: oracle has no logits or hidden states; set logit_kd_weight: 0 "
                                   "and codi_weight: 0")
@@ -626,9 +629,6 @@ class KVDistillConfig(TrainingArguments):
             parse_rows(self.relation_rows)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        if self.relation_rows != "all" and self.kv_loss not in ("relation", "attention"):
-            raise ConfigError(f"relation_rows selects query rows of kv_loss relation or attention, not {self.kv_loss}; "
-                              "set relation_rows: all or kv_loss: relation / attention")
         if self.relation_rows.strip().startswith("field:") and (self.lmbda > 0 or self.seq_kd):
             raise ConfigError("relation_rows field:<name> reads the data's per-token fields, which generated completions "
                               "(lmbda > 0, seq_kd) do not carry; use segment rows (e.g. answer) or turn generation off")

@@ -31,7 +31,7 @@ from kvdistill.losses import (
 )
 from kvdistill.losses.attention import aligned_attention_loss
 from kvdistill.losses.chunked import TeacherHead
-from kvdistill.losses.relation import select_rows
+from kvdistill.losses.relation import RowKLLoss, select_rows
 
 
 @dataclass
@@ -91,7 +91,7 @@ class KVDistillModel(nn.Module):
         self.kv_segments = kv_segments
         self.logit_teachers = logit_teachers or {}  # teachers absent here give same-vocab logits
         self.vocab_size = vocab_size  # the student tokenizer's real size: logits past it are padding rows
-        self.kv_rows = kv_rows  # relation_rows: the query rows the relation / attention loss reads
+        self.kv_rows = kv_rows  # relation_rows: the query rows of relation / attention, the tokens of element losses
         self.queries = getattr(kv_loss, "name", None) == "attention"  # the attention loss reads queries
         # CODI: teacher hidden (d_t) -> student hidden (d_s) at the answer marker
         self.codi = nn.ModuleDict({n: nn.Linear(dt, ds) for n, (dt, ds) in (codi_dims or {}).items()})
@@ -250,11 +250,16 @@ class KVDistillModel(nn.Module):
         return aligner.attention_inputs(tkv, skv) if self.queries else aligner(tkv, skv)
 
     def _pair_loss(self, aligned, rows: Tensor | None) -> tuple[Tensor, dict]:
-        """The KV loss of one aligned pair: the attention-map loss, or the mean of K and V losses; the
-        relation and attention losses read the query rows `rows [B, T]` (None: all)."""
+        """The KV loss of one aligned pair: the attention-map loss, or the mean of K and V losses. `rows [B, T]`
+        (None: all) are the query rows of the relation and attention losses, the tokens of an element loss."""
         if self.queries:
             return aligned_attention_loss(self.kv_loss, aligned, rows)
-        return aligned_kv_loss(self.kv_loss if rows is None else partial(self.kv_loss, rows=rows), aligned)
+        if rows is None:
+            return aligned_kv_loss(self.kv_loss, aligned)
+        if isinstance(self.kv_loss, RowKLLoss):  # relation: rows are the query rows, every valid token a key
+            return aligned_kv_loss(partial(self.kv_loss, rows=rows), aligned)
+        # an element loss (mse, cosine, mercator, ...) compares token by token: the rows are the tokens it reads
+        return aligned_kv_loss(self.kv_loss, replace(aligned, mask=aligned.mask * rows))
 
     def _kv_losses(self, names, teacher_kvs, skv, base, sample_w, metrics, rows=None) -> Tensor:
         """Sum over teachers of the (K + V)/2 loss sums, each teacher's mask scaled by its weights."""

@@ -120,15 +120,18 @@ class AccuracyCallback(TrainerCallback):
 
 def oracle_targets(teachers: TeacherSet, inputs: dict, token_fields: dict | None, args: KVDistillConfig,
                    width: int) -> dict[str, KVCache]:
-    """`teacher_control: oracle`: in place of each teacher, the relation target of the class field
+    """`teacher_control: oracle`: in place of each teacher, a cache coding the class field
     (`controls.oracle_cache`), on the student's own tokens (time alignment maps it 1:1) and with that
-    teacher's layer count, so the teacher's layer map decides which student layers it reaches."""
+    teacher's layer count, so the teacher's layer map decides which student layers it reaches. The
+    relation loss splits it into `relation_heads` heads; an element loss reads it through the projector,
+    so one head holds the code (the projector learns its scale)."""
     classes = (token_fields or {}).get(args.oracle_field)
     if classes is None:
         raise ConfigError(f"teacher_control: oracle needs the per-token field {args.oracle_field!r} in every batch; "
                           "this one has none (set oracle_field, or use data whose records carry it)")
+    heads = args.relation_heads if args.kv_loss == "relation" else 1
     return {t.name: oracle_cache(classes, inputs["attention_mask"], inputs["segment_ids"], layers=num_layers(t.model),
-                                 heads=args.relation_heads, width=width, temperature=args.relation_temperature,
+                                 heads=heads, width=width, temperature=args.relation_temperature,
                                  code=args.oracle_code)
             for t in teachers}
 
