@@ -37,6 +37,9 @@ from kvdistill.cache import KVCache
 from kvdistill.data import DataError
 
 PERMUTE_KINDS = ("numbers", "names")
+# renaming variables keeps a program's meaning, so that permuted teacher should *equal* the right one (an
+# invariance check); relabelling numbers destroys it (a control a signal must beat)
+MEANING_KEPT = ("names",)
 ORACLE_CODES = ("onehot", "fourier")  # same class relates | numbers 0..p-1 on a circle (p = the code width)
 ORACLE_MARGIN = 30.0  # logit gap between same-class and other keys: off-class weight <= T * e^-30
 

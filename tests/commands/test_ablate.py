@@ -424,6 +424,28 @@ def test_controls_references_and_the_primary_comparison(tmp_path):
     assert ("beats its reference and all controls**" in verdict) == beats_all
 
 
+@pytest.mark.parametrize("permute, vocab, equal", [("names", ["a", "b"], True), ("numbers", "0..9", False)])
+def test_a_control_that_keeps_the_meaning_must_equal_the_signal_not_lose_to_it(tmp_path, permute, vocab, equal):
+    """Renamed variables keep a program's meaning: +KV should equal that permuted teacher (TOST), and the
+    verdict counts it so; relabelled numbers destroy it: +KV must beat it, and at equal accuracy does not."""
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
+    abl = _write_yaml(tmp_path / "a.yaml", {
+        "base_config": "train.yaml", "output_dir": str(tmp_path / "out"), "seeds": [0, 1, 2, 3, 4], "margin": 0.05,
+        "variants": ["baseline", {"name": "kv", "base": "kv", "controls": ["kv_shuffled", "kv_permuted"]},
+                     "kv_shuffled", {"name": "kv_permuted", "base": "kv", "overrides": {
+                         "teacher_control": "permuted", "permute": permute, "permute_vocab": vocab}}],
+        "n_resamples": 500,
+    })
+    fake = FakeRuns({"baseline": 0.3, "kv": 0.8, "kv_shuffled": 0.3, "kv_permuted": 0.8})
+    report = run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    assert report["variants"]["kv"]["comparisons"]["kv_permuted"]["tost"]["equivalent"]
+    md = (tmp_path / "out" / "ablation.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| +KV | +KV + kv_permuted [control: permuted"))
+    assert row.endswith("| equal: yes |" if equal else "| beats it: no |")
+    verdict = next(line for line in md.splitlines() if line.startswith("- +KV:"))
+    assert ("beats its reference and all controls**" in verdict) == equal
+
+
 def test_reference_must_be_run(tmp_path):
     _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
     abl = _write_yaml(tmp_path / "a.yaml", {"base_config": "train.yaml", "variants": ["baseline", "privileged_kv"]})

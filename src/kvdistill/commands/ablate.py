@@ -76,6 +76,7 @@ from kvdistill.config import (
     teacher_controls,
     to_plain,
 )
+from kvdistill.controls import MEANING_KEPT
 from kvdistill.evaluate.comparisons import (
     compare_steps,
     compare_values,
@@ -1020,6 +1021,19 @@ def _beats(cmp_: Mapping[str, Any] | None, alpha: float = 0.05) -> bool:
     return _significant(cmp_, alpha) and cmp_["delta_accuracy"] > 0
 
 
+def _equals(cmp_: Mapping[str, Any] | None) -> bool:
+    """Accuracy equivalent within the margin (TOST)."""
+    return bool(cmp_ and (cmp_.get("tost") or {}).get("equivalent"))
+
+
+def _invariance(report: Mapping[str, Any], name: str) -> bool:
+    """A control that keeps the meaning (a permutation in `controls.MEANING_KEPT`, e.g. renamed variables):
+    the signal should equal it, not beat it."""
+    row = report["variants"][name]
+    permute = {**(report.get("common_overrides") or {}), **(row.get("overrides") or {})}.get("permute")
+    return row["teacher_control"] == "permuted" and permute in MEANING_KEPT
+
+
 def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None = None) -> str:
     """`ablation.md`: primary comparison, variant table, controls, per-run table, method, plots."""
     rows = report["variants"]
@@ -1061,22 +1075,29 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
     if controlled:
         lines += ["", "## Against the controls", "",
                   "A KV signal counts as knowledge transfer only if it beats its reference **and** every "
-                  "control (untrained teacher, shuffled teacher) at p < 0.05 on both paired tests.", "",
+                  "control (untrained teacher, shuffled teacher) at p < 0.05 on both paired tests; a control "
+                  "that keeps the meaning (permuted names) should instead equal it (TOST on accuracy within "
+                  f"±{report.get('margin')}).", "",
                   "| variant | compared with | Δ acc | t-test p | Welch p | permutation p | bootstrap 95 % CI "
-                  "| beats it |",
+                  "| as it should |",
                   "|---|---|---|---|---|---|---|---|"]
+
+        def meets(ref: str, cmp_: Mapping[str, Any] | None) -> bool:
+            return _equals(cmp_) if ref in rows and _invariance(report, ref) else _beats(cmp_)
+
         for row in controlled.values():
             for ref in [row["reference"], *row["controls"]]:
                 cmp_ = row["comparisons"].get(ref)
                 if cmp_ is None:
                     lines.append(f"| {row['label']} | {label.get(ref, ref)} | not run | | | | | |")
                     continue
+                what = "equal" if _invariance(report, ref) else "beats it"
                 lines.append(f"| {row['label']} | {label[ref]} | " + " | ".join(_cmp_cells(cmp_))
-                             + f" | {'yes' if _beats(cmp_) else 'no'} |")
+                             + f" | {what}: {'yes' if meets(ref, cmp_) else 'no'} |")
         lines.append("")
         for row in controlled.values():
             refs = [row["reference"], *row["controls"]]
-            ok = all(_beats(row["comparisons"].get(r)) for r in refs)
+            ok = all(meets(r, row["comparisons"].get(r)) for r in refs)
             lines.append(f"- {row['label']}: {'**beats its reference and all controls**' if ok else 'does not beat its reference and all controls'}.")
     lines += render_continuous(report)
     n_seeds = min((len(r["seeds"]) for r in report["variants"].values()), default=0)
