@@ -169,6 +169,16 @@ def test_run_curves_label_each_panel_s_y_axis(tmp_path, drawn):
     assert ax.get_ylabel() == "dev accuracy" and ax.get_xlabel() == "step"
 
 
+def test_run_curves_draw_a_variant_s_mean_over_runs_and_one_legend_outside_the_panels(tmp_path, drawn):
+    plots.plot_run_curves({"acc": {"a": [([1, 2], [0.0, 1.0]), ([1, 2], [1.0, 1.0])], "b": [([1, 2], [0.5, 0.5])]}},
+                          tmp_path / "x.png")
+    fig = drawn[0]
+    ax = fig.axes[0]
+    assert ax.get_legend() is None and [t.get_text() for t in fig.legends[0].get_texts()] == ["a", "b"]
+    thick = [line for line in ax.lines if line.get_linewidth() > 2]  # a's mean; b has one run, no mean
+    assert len(ax.lines) == 4 and len(thick) == 1 and list(thick[0].get_ydata()) == [0.5, 1.0]
+
+
 def test_error_bars_say_what_they_are_and_keep_an_asymmetric_interval(tmp_path, drawn):
     plots.plot_bars_with_errors(["sft", "kv"], [0.5, 0.7], [[0.1, 0.2], [0.3, 0.05]], tmp_path / "acc.png",
                                 error_label="95 % Wilson CI", points=[[0.4, 0.6], [0.7]])

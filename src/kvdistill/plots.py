@@ -203,7 +203,9 @@ def plot_run_curves(
     *,
     title: str = "",
 ) -> Path:
-    """Overlaid training curves, one panel per metric, one colour per variant, one line per run.
+    """Training curves, one panel per metric, one colour per variant: each run a thin line and, where a
+    variant has several runs logged at the same steps, their mean a thick one. One legend for the figure,
+    below the panels (inside a panel it hides the curves of a sweep of many variants).
 
     Args:
         panels: `{metric: {variant label: [(steps [P], values [P]) per run]}}`.
@@ -216,17 +218,26 @@ def plot_run_curves(
     names = list(panels)
     labels = list(dict.fromkeys(lab for per in panels.values() for lab in per))
     colors = {lab: plt.get_cmap("tab10")(i % 10) for i, lab in enumerate(labels)}
-    fig, axes = plt.subplots(1, max(1, len(names)), figsize=(4.8 * max(1, len(names)), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(names)), figsize=(4.8 * max(1, len(names)), 3.6 + 0.22 * len(labels)),
+                             squeeze=False, layout="constrained")
+    handles = {}
     for ax, metric in zip(axes[0], names):
         for lab, runs in panels[metric].items():
-            for j, (steps, values) in enumerate(runs):
-                label = lab if j == 0 else None  # one legend entry per variant
-                ax.plot(steps, values, color=colors[lab], alpha=0.75, linewidth=1.2, label=label)
+            many = len(runs) > 1
+            for steps, values in runs:
+                (line,) = ax.plot(steps, values, color=colors[lab], alpha=0.35 if many else 0.8,
+                                  linewidth=0.8 if many else 1.4)
+                handles.setdefault(lab, line)
+            if many and len({tuple(steps) for steps, _ in runs}) == 1:  # same steps: a mean over runs is defined
+                (line,) = ax.plot(runs[0][0], np.mean([v for _, v in runs], axis=0), color=colors[lab], linewidth=2.2)
+                handles[lab] = line
         ax.set_title(metric)
         ax.set_xlabel("step")
         ax.set_ylabel(metric)  # the panel's metric: a lone panel (the demo's SFT curve) needs it on its axis
         ax.grid(True, alpha=0.3)
-        legend(ax, fontsize=7)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="outside lower center", fontsize=8,
+                   ncol=min(3, len(handles)))
     if title:
         fig.suptitle(title)
     return save_figure(fig, path)
