@@ -1031,7 +1031,7 @@ def _invariance(report: Mapping[str, Any], name: str) -> bool:
     the signal should equal it, not beat it."""
     row = report["variants"][name]
     permute = {**(report.get("common_overrides") or {}), **(row.get("overrides") or {})}.get("permute")
-    return row["teacher_control"] == "permuted" and permute in MEANING_KEPT
+    return row.get("teacher_control") == "permuted" and permute in MEANING_KEPT  # older reports lack the key
 
 
 def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None = None) -> str:
