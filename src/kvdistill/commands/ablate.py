@@ -1028,8 +1028,8 @@ def _equals(cmp_: Mapping[str, Any] | None) -> bool:
 
 def _invariance(report: Mapping[str, Any], name: str) -> bool:
     """A control that keeps the meaning (a permutation in `controls.MEANING_KEPT`, e.g. renamed variables):
-    the signal should equal it, not beat it."""
-    row = report["variants"][name]
+    the signal should equal it, not beat it. A variant the report lacks (not run) is none."""
+    row = report["variants"].get(name) or {}
     permute = {**(report.get("common_overrides") or {}), **(row.get("overrides") or {})}.get("permute")
     return row.get("teacher_control") == "permuted" and permute in MEANING_KEPT  # older reports lack the key
 
@@ -1083,7 +1083,7 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
                   "|---|---|---|---|---|---|---|---|"]
 
         def meets(ref: str, cmp_: Mapping[str, Any] | None) -> bool:
-            return _equals(cmp_) if ref in rows and _invariance(report, ref) else _beats(cmp_)
+            return (_equals if _invariance(report, ref) else _beats)(cmp_)
 
         for row in controlled.values():
             for ref in [row["reference"], *row["controls"]]:
