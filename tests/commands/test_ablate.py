@@ -86,8 +86,8 @@ def _write_yaml(path: Path, data: dict) -> Path:
 class FakeRuns:
     """train_fn / eval_fn that write what the real ones do, with chosen accuracies."""
 
-    def __init__(self, acc: dict[str, float], n_items: int = 200):
-        self.acc, self.n_items = acc, n_items
+    def __init__(self, acc: dict[str, float], n_items: int = 200, nll: dict[str, float] | None = None):
+        self.acc, self.n_items, self.nll = acc, n_items, nll or {}
         self.trained: list[str] = []
         self.evaluated: list[str] = []
 
@@ -125,6 +125,8 @@ class FakeRuns:
                     "ci_high": 1.0,
                     "n": self.n_items,
                     "perplexity": 3.0,
+                    # the variant's answer NLL, seed noise of ±0.05 around it
+                    **({"answer_nll": self.nll[variant] + 0.05 * rng.standard_normal()} if self.nll else {}),
                 }
             )
         )
@@ -444,6 +446,29 @@ def test_a_control_that_keeps_the_meaning_must_equal_the_signal_not_lose_to_it(t
     assert row.endswith("| equal: yes |" if equal else "| beats it: no |")
     verdict = next(line for line in md.splitlines() if line.startswith("- +KV:"))
     assert ("beats its reference and all controls**" in verdict) == equal
+
+
+@pytest.mark.parametrize("shuffled_acc, shuffled_nll, beaten", [(0.8, 1.0, True), (0.3, 0.5, False)])
+def test_controls_are_judged_on_the_registered_metric(tmp_path, shuffled_acc, shuffled_nll, beaten):
+    """A primary registered on answer NLL judges the controls on answer NLL: +KV beats a control of equal
+    accuracy and higher NLL, and does not beat one it outscores on accuracy at equal NLL."""
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
+    abl = _write_yaml(tmp_path / "a.yaml", {
+        "base_config": "train.yaml", "output_dir": str(tmp_path / "out"), "seeds": [0, 1, 2, 3, 4],
+        "variants": ["baseline", {"name": "kv", "base": "kv", "controls": ["kv_shuffled"]}, "kv_shuffled"],
+        "primary": {"comparison": ["kv", "baseline"], "metric": "answer_nll", "test": "paired_t"}, "n_resamples": 500,
+    })
+    fake = FakeRuns({"baseline": 0.3, "kv": 0.8, "kv_shuffled": shuffled_acc},
+                    nll={"baseline": 1.2, "kv": 0.5, "kv_shuffled": shuffled_nll})
+    report = run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    registered = report["variants"]["kv"]["comparisons"]["kv_shuffled"]["registered"]
+    assert (registered["p_value"] < 0.05 and registered["mean_diff"] < 0) == beaten
+    md = (tmp_path / "out" / "ablation.md").read_text()
+    assert "on the registered answer nll by its paired t test at alpha 0.05" in md
+    row = next(line for line in md.splitlines() if line.startswith("| +KV | +KV, shuffled teacher"))
+    assert "| Δ answer nll " in row and row.endswith(f"| beats it: {'yes' if beaten else 'no'} |")
+    verdict = next(line for line in md.splitlines() if line.startswith("- +KV:"))
+    assert ("beats its reference and all controls**" in verdict) == beaten
 
 
 def test_reference_must_be_run(tmp_path):

@@ -42,6 +42,7 @@ def test_report_to_takes_several_names_on_the_cli(tiny_world, value):
     (["--teachers", "[{path: /tmp, wieght: 1}]"], "did you mean 'weight'"),
     (["--ce_weight", "0"], "allow_kv_only"),
     (["--kv_loss", "structural"], "head_mode: structured"),
+    (["--accuracy_stop", "0.9"], "set accuracy_eval_steps > 0"),
 ])
 def test_bad_config_fails_with_a_fix(tiny_world, argv, match, monkeypatch):
     import kvdistill.models as models

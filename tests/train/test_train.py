@@ -122,3 +122,17 @@ def test_accuracy_curve_points_keep_the_loss_rows(base_args, tmp_path):
     assert [r["step"] for r in rows if "eval_accuracy" in r] == [2, 4]
     assert min(r["eval_accuracy"] for r in rows if "eval_accuracy" in r) >= 0
     assert [r["step"] for r in rows if "loss" in r] == [2, 4]  # an accuracy point does not swallow the loss row
+
+
+def test_accuracy_stop_ends_training_at_the_first_point_that_reaches_it(base_args, tmp_path, monkeypatch):
+    import kvdistill.evaluate.scoring as scoring
+
+    curve = iter([0.5, 0.9, 1.0])  # dev accuracy at steps 2, 4, 6: the run must end at 4
+    monkeypatch.setattr(scoring, "evaluate_model", lambda *a, **k: {"accuracy": next(curve)})
+    out = tmp_path / "stop"
+    assert train_main(base_args(output_dir=out, max_steps=8, logging_steps=2, accuracy_eval_steps=2,
+                                accuracy_stop=0.9, accuracy_eval_split="test", accuracy_eval_limit=4)) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r] == [(2, 0.5), (4, 0.9)]
+    assert max(r["step"] for r in rows) == 4
+    assert (out / "model.safetensors").exists()  # saved as a run that reached max_steps

@@ -149,15 +149,27 @@ def primary_verdict(p: Primary, result: Mapping[str, Any], labels: Mapping[str, 
     detail = f"{p.test.replace('_', ' ')} p {pv:.4g}"
     if pv >= p.alpha:
         return f"neither shown: {a} vs {b} on {metric}, {detail} ≥ alpha {p.alpha:g}"
-    if p.test == "logrank":
+    win, lose = (a, b) if favours_a(p.metric, p.test, result) else (b, a)
+    return f"{win} beats {lose} on {metric} at alpha {p.alpha:g} ({detail})"
+
+
+def favours_a(metric: str, test: str, result: Mapping[str, Any]) -> bool:
+    """Whether `result` (`test` of a vs b on `metric`) points a's way: higher accuracy, lower answer NLL,
+    fewer steps to the threshold."""
+    if test == "logrank":
         a_higher = result["statistic"] < 0  # > 0: a reaches the threshold sooner (fewer steps)
-    elif p.test == "mann_whitney":
+    elif test == "mann_whitney":
         a_higher = result["prob_a_greater"] > 0.5
     else:
         a_higher = result["mean_diff"] > 0
-    a_wins = a_higher != LOWER_IS_BETTER[p.metric]
-    win, lose = (a, b) if a_wins else (b, a)
-    return f"{win} beats {lose} on {metric} at alpha {p.alpha:g} ({detail})"
+    return a_higher != LOWER_IS_BETTER[metric]
+
+
+def beats(spec: Mapping[str, Any], result: Mapping[str, Any] | None) -> bool:
+    """a beats b by the registered `spec` (`Primary.to_dict()`): its test significant at its alpha, a's way."""
+    pv = (result or {}).get("p_value")
+    return pv is not None and not math.isnan(pv) and pv < spec["alpha"] and favours_a(spec["metric"], spec["test"],
+                                                                                      result)
 
 
 def render_lead(report: Mapping[str, Any]) -> list[str]:

@@ -171,6 +171,9 @@ class KVDistillConfig(TrainingArguments):
                                       affects="student_loss", valid=">= 1")
     accuracy_eval_max_new_tokens: int = option(64, "Generation budget per item for the accuracy curve.",
                                                affects="student_loss", valid=">= 1")
+    accuracy_stop: float = option(0.0, "Stop training at the first accuracy-curve point >= this (a teacher "
+                                  "trained to a quality gate stops once it passes it); 0: train max_steps.",
+                                  affects="student_loss", valid="in [0, 1]")
     # ---- alignment
     time_mode: str = option("segment", f"Time alignment: {TIME_MODES}.",
                             affects="student_loss", card="alignment")
@@ -405,6 +408,9 @@ class KVDistillConfig(TrainingArguments):
             raise ConfigError("max_steps 0 would still run one step; set max_steps >= 1, or -1 to train "
                               "num_train_epochs epochs")
         check_ranges(self, INHERITED_RANGES)  # every number finite and in its declared range
+        if self.accuracy_stop > 0 and self.accuracy_eval_steps == 0:
+            raise ConfigError(f"accuracy_stop {self.accuracy_stop} reads the accuracy curve, which is off; set "
+                              "accuracy_eval_steps > 0 (every how many steps to check) or accuracy_stop: 0")
         if self.fp16 and (self.use_cpu or not torch.cuda.is_available()):
             raise ConfigError("fp16 mixed precision needs a CUDA GPU (on CPU it would be silently ignored); drop "
                               "--fp16, or use --bf16 on CPU")

@@ -91,7 +91,8 @@ class MetricsFileCallback(TrainerCallback):
 
 
 class AccuracyCallback(TrainerCallback):
-    """Greedy-decode held-out items every `every` optimizer steps and at the end; log `eval_accuracy`.
+    """Greedy-decode held-out items every `every` optimizer steps and at the end; log `eval_accuracy`, and
+    end training at the first point >= `accuracy_stop`.
 
     Runs on the main process only (the student is unwrapped; other ranks wait at the next sync).
     """
@@ -101,8 +102,19 @@ class AccuracyCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
-        if not state.is_world_process_zero or (step % self.every and step != state.max_steps):
+        if step % self.every and step != state.max_steps:
             return
+        accelerator = self.trainer.accelerator
+        if state.is_world_process_zero:
+            accuracy = self.evaluate(args, control)
+            if 0 < args.accuracy_stop <= accuracy:
+                accelerator.set_trigger()
+        # every rank stops at the same step: one that trained on alone would wait at its next all-reduce forever
+        if args.accuracy_stop > 0 and accelerator.check_trigger():
+            logger.info("step %d: dev accuracy >= accuracy_stop %s: training stops", step, args.accuracy_stop)
+            control.should_training_stop = True  # the Trainer saves and ends as at max_steps
+
+    def evaluate(self, args, control) -> float:
         from kvdistill.evaluate.scoring import evaluate_model
 
         student = self.trainer.distill_model.student
@@ -116,6 +128,7 @@ class AccuracyCallback(TrainerCallback):
         should_log = control.should_log  # Trainer.log clears it: the step's own loss row must still be written
         self.trainer.log({"eval_accuracy": result["accuracy"]})
         control.should_log = should_log
+        return result["accuracy"]
 
 
 def oracle_targets(teachers: TeacherSet, inputs: dict, token_fields: dict | None, args: KVDistillConfig,
