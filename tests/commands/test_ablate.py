@@ -26,6 +26,7 @@ from kvdistill.commands.ablate import (
     run_ablation,
 )
 from kvdistill.config import ConfigError
+from kvdistill.evaluate.prereg import METRIC_NAMES
 
 
 def test_builtin_variants_are_valid_train_overrides():
@@ -464,9 +465,9 @@ def test_controls_are_judged_on_the_registered_metric(tmp_path, shuffled_acc, sh
     registered = report["variants"]["kv"]["comparisons"]["kv_shuffled"]["registered"]
     assert (registered["p_value"] < 0.05 and registered["mean_diff"] < 0) == beaten
     md = (tmp_path / "out" / "ablation.md").read_text()
-    assert "on the registered answer nll by its paired t test at alpha 0.05" in md
+    assert "on the registered answer NLL by its paired t test at alpha 0.05" in md
     row = next(line for line in md.splitlines() if line.startswith("| +KV | +KV, shuffled teacher"))
-    assert "| Δ answer nll " in row and row.endswith(f"| beats it: {'yes' if beaten else 'no'} |")
+    assert "| Δ answer NLL " in row and row.endswith(f"| beats it: {'yes' if beaten else 'no'} |")
     verdict = next(line for line in md.splitlines() if line.startswith("- +KV:"))
     assert ("beats its reference and all controls**" in verdict) == beaten
 
@@ -658,7 +659,7 @@ def test_answer_nll_steps_to_threshold_welch_and_tost_in_the_report(tmp_path):
     ({"comparison": ["kv", "baseline"], "test": "welch"}, "+KV beats Baseline (SFT) on accuracy at alpha 0.05"),
     (["baseline", "kv"], "+KV beats Baseline (SFT) on accuracy at alpha 0.05 (paired t p"),
     ({"comparison": ["kv", "baseline"], "metric": "answer_nll", "test": "mann_whitney"},
-     "+KV beats Baseline (SFT) on answer nll at alpha 0.05"),
+     "+KV beats Baseline (SFT) on answer NLL at alpha 0.05"),
     ({"comparison": ["kv", "baseline"], "metric": "steps_to_threshold", "test": "logrank", "alpha": 0.01},
      "+KV beats Baseline (SFT) on steps to threshold at alpha 0.01 (logrank p"),
     ({"comparison": ["same", "baseline"], "test": "welch"}, "neither shown: same vs Baseline (SFT) on accuracy"),
@@ -674,7 +675,7 @@ def test_the_report_leads_with_the_primary_result_in_words(tmp_path, primary, wo
     assert report["primary"]["verdict"].startswith(words)
     lead = (tmp_path / "out" / "ablation.md").read_text().split("Base config")[0]  # before anything else
     assert lead.startswith("# Ablation\n\n**Hypothesis** (pre-registered 20") and "KV makes the student better" in lead
-    assert f"**Primary result** ({report['primary']['spec']['metric'].replace('_', ' ')}" in lead and words in lead
+    assert f"**Primary result** ({METRIC_NAMES[report['primary']['spec']['metric']]}" in lead and words in lead
     # the primary section opens with the registered metric's result; accuracy follows, named as not the test
     section = (tmp_path / "out" / "ablation.md").read_text().split("## Primary comparison")[1].split("\n| variant")[0]
     metric = report["primary"]["spec"]["metric"]

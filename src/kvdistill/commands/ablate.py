@@ -87,6 +87,7 @@ from kvdistill.evaluate.comparisons import (
     steps_to_threshold,
 )
 from kvdistill.evaluate.prereg import (
+    METRIC_NAMES,
     Primary,
     beats,
     make_record,
@@ -1046,7 +1047,7 @@ def _registered_cell(spec: Mapping[str, Any] | None, result: Mapping[str, Any] |
     """The registered test of one comparison: `Δ answer NLL -0.948, p 3.6e-16` (– where none was run)."""
     if not spec or not result:
         return fmt_num(None)
-    delta = "" if result.get("mean_diff") is None else f"Δ {spec['metric'].replace('_', ' ')} {fmt_signed(result['mean_diff'])}, "
+    delta = "" if result.get("mean_diff") is None else f"Δ {METRIC_NAMES[spec['metric']]} {fmt_signed(result['mean_diff'])}, "
     return f"{delta}p {fmt_p(result.get('p_value'))}"
 
 
@@ -1075,7 +1076,7 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         pair = f"{label[prim['variant']]} vs {label[prim['reference']]} over seeds {prim['seeds']}"
         # a registered metric other than accuracy leads (its test is the record); accuracy follows as context
         registered = [] if metric == "accuracy" else [
-            f"{pair}, the registered metric ({metric.replace('_', ' ')}): {prim['verdict']}.", "",
+            f"{pair}, the registered metric ({METRIC_NAMES[metric]}): {prim['verdict']}.", "",
             "The same pair on accuracy (not the registered test):"]
         lines += ["## Primary comparison (named in the config before the run)", "", *registered,
                   f"{pair}: Δ accuracy {delta}, paired t-test p {tp} (Welch p {wp}), permutation p {pp}, bootstrap "
@@ -1100,7 +1101,7 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         # judged as the primary is, on its registered metric and test (older reports: on accuracy's paired tests)
         spec = (prim or {}).get("spec") if any("registered" in c for r in controlled.values()
                                                for c in r["comparisons"].values()) else None
-        how = (f"on the registered {spec['metric'].replace('_', ' ')} by its {spec['test'].replace('_', ' ')} test "
+        how = (f"on the registered {METRIC_NAMES[spec['metric']]} by its {spec['test'].replace('_', ' ')} test "
                f"at alpha {spec['alpha']:g}" if spec else "at p < 0.05 on both paired tests of accuracy")
         lines += ["", "## Against the controls", "",
                   "A KV signal counts as knowledge transfer only if it beats its reference **and** every "

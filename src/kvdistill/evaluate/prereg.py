@@ -36,6 +36,7 @@ TESTS_FOR = {"accuracy": ("paired_t", "welch", "mann_whitney", "tost"),
              "answer_nll": ("paired_t", "welch", "mann_whitney", "tost"),
              "steps_to_threshold": ("logrank", "mann_whitney")}
 RECORD = "preregistration.json"
+METRIC_NAMES = {"accuracy": "accuracy", "answer_nll": "answer NLL", "steps_to_threshold": "steps to threshold"}
 
 
 @dataclass
@@ -136,7 +137,7 @@ def preregister(out_dir: str | Path, record: Mapping[str, Any], has_runs: bool,
 def primary_verdict(p: Primary, result: Mapping[str, Any], labels: Mapping[str, str]) -> str:
     """The primary result in words: "A beats B on M at alpha 0.05 (...)", "A and B are equivalent
     within ±m on M ...", or "neither shown ...". `result` is the test's dict (`stats` results)."""
-    a, b, metric = labels.get(p.a, p.a), labels.get(p.b, p.b), p.metric.replace("_", " ")
+    a, b, metric = labels.get(p.a, p.a), labels.get(p.b, p.b), METRIC_NAMES[p.metric]
     pv = result.get("p_value", math.nan) if result else math.nan
     if pv is None or math.isnan(pv):
         return f"not testable: {a} vs {b} on {metric} has too few runs for {p.test}"
@@ -184,6 +185,6 @@ def render_lead(report: Mapping[str, Any]) -> list[str]:
     prim = report.get("primary")
     if prim and prim.get("verdict"):
         spec = prim["spec"]
-        how = f"{spec['metric'].replace('_', ' ')}, {spec['test'].replace('_', ' ')}, alpha {spec['alpha']:g}"
+        how = f"{METRIC_NAMES[spec['metric']]}, {spec['test'].replace('_', ' ')}, alpha {spec['alpha']:g}"
         lines += [f"**Primary result** ({how}): {prim['verdict']}.", ""]
     return lines
