@@ -4,6 +4,7 @@ one end-to-end ablation on the tiny fixtures with the real trainer and evaluator
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -620,6 +621,32 @@ def _curve_ablation(tmp_path, **extra):
             "variants": ["baseline", "kv", {"name": "same", "overrides": {"kv_weight": 0.0}}],
             "n_resamples": 500, **extra}
     return _write_yaml(tmp_path / "a.yaml", spec)
+
+
+def test_register_only_fixes_the_design_and_runs_nothing_then_copied_runs_are_reused(tmp_path, capsys):
+    """`--register_only` writes the record and no run; runs made elsewhere with the same settings, copied in
+    afterwards, are reused under that record (not rerun), and the record keeps its date."""
+    primary = {"comparison": ["kv", "baseline"], "test": "welch"}
+    fake = CurveRuns({"baseline": 0.3, "kv": 0.7, "same": 0.3})
+    elsewhere = load_ablation_config(_curve_ablation(tmp_path, output_dir=str(tmp_path / "elsewhere")))
+    run_ablation(elsewhere, train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    abl = _curve_ablation(tmp_path, hypothesis="KV helps", primary=primary)
+    out = tmp_path / "out"
+    assert main(["--config", str(abl), "--register_only"]) == 0
+    assert "nothing run" in capsys.readouterr().out and not (out / "runs").exists()
+    first = json.loads((out / "preregistration.json").read_text())
+    assert first["hypothesis"] == "KV helps" and first["primary"]["test"] == "welch"
+    shutil.copytree(tmp_path / "elsewhere" / "runs", out / "runs")
+    fake.trained.clear()
+    report = run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    assert fake.trained == [] and len(report["variants"]["kv"]["seeds"]) == 5
+    assert json.loads((out / "preregistration.json").read_text())["registered"] == first["registered"]
+    # a dir with runs but no record: registering now is refused (the runs came first)
+    shutil.rmtree(tmp_path / "elsewhere" / "runs" / "kv")
+    (tmp_path / "elsewhere" / "preregistration.json").unlink()
+    late = _curve_ablation(tmp_path, hypothesis="KV helps", primary=primary, output_dir=str(tmp_path / "elsewhere"))
+    with pytest.raises(ConfigError, match="holds runs made before any pre-registration"):
+        main(["--config", str(late), "--register_only"])
 
 
 def test_answer_nll_steps_to_threshold_welch_and_tost_in_the_report(tmp_path):

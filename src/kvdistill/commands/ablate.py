@@ -343,6 +343,9 @@ class AblationConfig:
                            "and train every seed from it; fp32 captures give the live runs' losses.")
     keep_going: bool = option(False, "Log a failed run and go on with the others.")
     report_only: bool = option(False, "Train nothing; rebuild the report from finished runs.")
+    register_only: bool = option(False, "Write the pre-registration record and exit, running nothing: a design "
+                                 "registered first can then take runs made elsewhere with the same settings (a "
+                                 "copied run dir whose config matches is reused, not rerun).")
     from_report: str | None = option(None, "The ablation.json of an earlier run of this YAML (same config hash): a "
                                      "run of the plan with no finished run in output_dir counts as finished with the "
                                      "numbers recorded there instead of being run (a fresh machine continues a sweep).")
@@ -704,6 +707,14 @@ def _run_pool(plan: _Plan, workers: int, threads: int) -> None:
                     plan.done(item.tag, err, tb)
 
 
+def register(cfg: AblationConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Before any run: fix the hypothesis and primary test in `output_dir/preregistration.json`, or refuse
+    an output dir whose runs were made under another (`prereg.preregister`)."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return preregister(out, preregistration(cfg), any((out / "runs").glob(f"*/seed_*/{ASKED_CONFIG}")), log)
+
+
 def run_ablation(
     cfg: AblationConfig,
     *,
@@ -724,10 +735,7 @@ def run_ablation(
     """
     train_fn = train_fn or _default_train
     eval_fn = eval_fn or _default_eval
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # before any run: the hypothesis and primary test are fixed, or this output dir is refused
-    preregister(out, preregistration(cfg), any((out / "runs").glob(f"*/seed_*/{ASKED_CONFIG}")), log)
+    register(cfg, log)
     check_variants(cfg)
     # seed-major order: a partial ablation already holds complete seeds for every variant
     jobs = [(v, s) for s in cfg.seeds for v in cfg.variants]
@@ -1294,6 +1302,10 @@ def main(argv: list[str]) -> int:
                             "seeds (nor does --from_report); run the ablation first, or pass the --output_dir it ran "
                             "in")
     check_output_dir(cfg.output_dir)
+    if cfg.register_only:
+        record = register(cfg)
+        print(f"registered {Path(cfg.output_dir) / 'preregistration.json'} ({record['registered']}); nothing run")
+        return 0
     if cfg.report_only:
         report = summarize(cfg)
         report["failures"] = []
