@@ -27,7 +27,7 @@ from kvdistill.commands.ablate import (
     run_ablation,
 )
 from kvdistill.config import ConfigError
-from kvdistill.evaluate.prereg import METRIC_NAMES
+from kvdistill.evaluate.prereg import METRIC_NAMES, parse_primary
 
 
 def test_builtin_variants_are_valid_train_overrides():
@@ -473,6 +473,36 @@ def test_controls_are_judged_on_the_registered_metric(tmp_path, shuffled_acc, sh
     assert ("beats its reference and all controls**" in verdict) == beaten
 
 
+@pytest.mark.parametrize("kv_nll, shuffled_nll, missed", [(0.5, 1.1, None), (1.2, 2.0, "Baseline (SFT)"),
+                                                        (0.5, 0.5, "+KV, shuffled teacher")])
+def test_a_primary_against_several_arms_is_met_only_if_it_beats_each(tmp_path, kv_nll, shuffled_nll, missed):
+    """`comparison: [kv, [baseline, kv_shuffled]]` registers one claim, "kv beats every one": met only when
+    each pair's registered test is significant kv's way (intersection-union). A control that hurts (NLL 2.0)
+    does not meet it for a kv no better than SFT, since SFT is named beside it."""
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
+    primary = {"comparison": ["kv", ["baseline", "kv_shuffled"]], "metric": "answer_nll", "test": "paired_t"}
+    abl = _write_yaml(tmp_path / "a.yaml", {
+        "base_config": "train.yaml", "output_dir": str(tmp_path / "out"), "seeds": [0, 1, 2, 3, 4],
+        "variants": ["baseline", {"name": "kv", "base": "kv", "controls": ["kv_shuffled"]}, "kv_shuffled"],
+        "hypothesis": "kv beats SFT and its shuffled control", "primary": primary, "n_resamples": 200,
+    })
+    fake = FakeRuns({"baseline": 0.3, "kv": 0.8, "kv_shuffled": 0.3},
+                    nll={"baseline": 1.2, "kv": kv_nll, "kv_shuffled": shuffled_nll})
+    report = run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    prim = report["primary"]
+    assert set(prim["results"]) == {"baseline", "kv_shuffled"} and prim["reference"] == "baseline"
+    assert prim["spec"]["comparison"] == ["kv", ["baseline", "kv_shuffled"]]
+    words = (f"not shown: +KV does not beat {missed} on" if missed else
+             "+KV beats every one of Baseline (SFT), +KV, shuffled teacher on")
+    assert prim["verdict"].startswith(words + " answer NLL at alpha 0.05 (paired t: Baseline (SFT) p ")
+    md = (tmp_path / "out" / "ablation.md").read_text()
+    assert f"+KV vs Baseline (SFT), +KV, shuffled teacher over seeds [0, 1, 2, 3, 4], the registered metric (answer NLL): " \
+           f"{prim['verdict']}." in md and "The first pair on accuracy (not the registered test):" in md
+    # one reference is recorded as before (earlier sweeps' records keep their hash)
+    assert parse_primary({"comparison": ["kv", ["baseline"]]}, ["kv", "baseline"], None).to_dict()["comparison"] \
+        == ["kv", "baseline"]
+
+
 def test_reference_must_be_run(tmp_path):
     _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
     abl = _write_yaml(tmp_path / "a.yaml", {"base_config": "train.yaml", "variants": ["baseline", "privileged_kv"]})
@@ -791,6 +821,11 @@ def test_a_hypothesis_named_after_the_runs_is_refused_and_none_is_never_refused(
 
 @pytest.mark.parametrize("extra, message", [
     ({"primary": {"comparison": ["kv", "nope"]}}, "primary comparison must name two of the variants"),
+    ({"primary": {"comparison": ["kv", ["baseline", "nope"]]}}, "primary comparison must name two of the variants"),
+    ({"primary": {"comparison": ["kv", ["baseline", "kv"]]}}, "primary comparison must name two of the variants"),
+    ({"primary": {"comparison": ["kv", []]}}, "primary comparison must name two of the variants"),
+    ({"primary": {"comparison": ["kv", ["same", "baseline"]], "test": "tost", "margin": 0.05}},
+     "tost names one reference"),
     ({"primary": {"comparison": ["kv", "baseline"], "metric": "bleu"}}, "primary metric 'bleu' is not one of"),
     ({"primary": {"comparison": ["kv", "baseline"], "test": "logrank"}},
      "primary test 'logrank' does not fit metric accuracy; use one of"),

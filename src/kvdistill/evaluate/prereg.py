@@ -8,6 +8,11 @@ threshold: 0.5            # dev accuracy for steps-to-threshold
 primary: {comparison: [relation, relation_shuffled], metric: accuracy, test: welch, alpha: 0.05}
 ```
 
+A claim against several arms names them in a list, `comparison: [kv, [baseline, kv_shuffled, kv_untrained]]`:
+"kv beats every one of them". It is met only if each pair's test is significant at `alpha` in kv's favour
+(an intersection-union test, which holds its level without a multiplicity correction: the claim needs all
+of them). Registering SFT beside the controls keeps a control that *hurts* from meeting the claim alone.
+
 `kvdistill ablate` writes them, with a hash of everything that defines the runs and the analysis,
 to `<output_dir>/preregistration.json` before the first run starts, and refuses to go on in an
 output dir whose runs were made under another hypothesis, primary test or config. The report leads
@@ -41,11 +46,11 @@ METRIC_NAMES = {"accuracy": "accuracy", "answer_nll": "answer NLL", "steps_to_th
 
 @dataclass
 class Primary:
-    """The primary comparison: variant `a` against `b` on `metric` by `test` at `alpha`; `margin`
+    """The primary comparison: variant `a` against every one of `b` on `metric` by `test` at `alpha`; `margin`
     (TOST) in the metric's units; `paired` picks the paired TOST (default Welch)."""
 
     a: str
-    b: str
+    b: tuple[str, ...]  # one reference, or several: a claim against all of them (intersection-union)
     metric: str = "accuracy"
     test: str = "paired_t"
     alpha: float = 0.05
@@ -53,12 +58,15 @@ class Primary:
     paired: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"comparison": [self.a, self.b], **{k: v for k, v in asdict(self).items() if k not in ("a", "b")}}
+        # one reference is written as before, so the records of earlier sweeps keep their hash
+        refs = self.b[0] if len(self.b) == 1 else list(self.b)
+        return {"comparison": [self.a, refs], **{k: v for k, v in asdict(self).items() if k not in ("a", "b")}}
 
 
 def parse_primary(spec: Any, names: Sequence[str], threshold: float | None) -> Primary | None:
     """The YAML `primary:`: `[a, b]` (accuracy, paired t) or `{comparison: [a, b], metric, test,
-    alpha, margin, paired}`. Raises `ConfigError` naming the fix."""
+    alpha, margin, paired}`; `b` may be a list of variants (a beats every one). Raises `ConfigError`
+    naming the fix."""
     if spec is None:
         return None
     if isinstance(spec, list):
@@ -70,10 +78,13 @@ def parse_primary(spec: Any, names: Sequence[str], threshold: float | None) -> P
         raise ConfigError(f"primary: unknown keys {sorted(unknown)} (use comparison, metric, test, alpha, margin, "
                           "paired)")
     pair = spec.get("comparison")
-    if not isinstance(pair, list) or len(pair) != 2 or not set(pair) <= set(names) or pair[0] == pair[1]:
-        raise ConfigError(f"primary comparison must name two of the variants {list(names)} as [variant, reference]")
-    p = Primary(str(pair[0]), str(pair[1]), **{k: spec[k] for k in ("metric", "test", "alpha", "margin", "paired")
-                                              if spec.get(k) is not None})
+    refs = (pair[1] if isinstance(pair[1], list) else [pair[1]]) if isinstance(pair, list) and len(pair) == 2 else []
+    if (not refs or not all(isinstance(x, str) for x in [pair[0], *refs]) or not {pair[0], *refs} <= set(names)
+            or pair[0] in refs or len(set(refs)) != len(refs)):
+        raise ConfigError(f"primary comparison must name two of the variants {list(names)} as [variant, reference] "
+                          "(or [variant, [reference, control, ...]]: beats every one)")
+    p = Primary(str(pair[0]), tuple(map(str, refs)),
+                **{k: spec[k] for k in ("metric", "test", "alpha", "margin", "paired") if spec.get(k) is not None})
     if p.metric not in METRICS:
         raise ConfigError(f"primary metric {p.metric!r} is not one of {list(METRICS)}")
     if p.test not in TESTS_FOR[p.metric]:
@@ -83,6 +94,8 @@ def parse_primary(spec: Any, names: Sequence[str], threshold: float | None) -> P
     if p.test == "tost" and not (isinstance(p.margin, (int, float)) and math.isfinite(p.margin) and p.margin > 0):
         raise ConfigError(f"primary test tost needs margin: > 0 (the equivalence bound, in {p.metric} units), "
                           f"got {p.margin!r}")
+    if p.test == "tost" and len(p.b) > 1:
+        raise ConfigError("primary test tost names one reference; a list of references is a claim to beat each")
     if p.metric == "steps_to_threshold" and threshold is None:
         raise ConfigError("primary metric steps_to_threshold needs `threshold:` (the dev accuracy to reach)")
     return p
@@ -134,10 +147,14 @@ def preregister(out_dir: str | Path, record: Mapping[str, Any], has_runs: bool,
 # ----------------------------------------------------------------------------- the verdict
 
 
-def primary_verdict(p: Primary, result: Mapping[str, Any], labels: Mapping[str, str]) -> str:
+def primary_verdict(p: Primary, results: Mapping[str, Mapping[str, Any]], labels: Mapping[str, str]) -> str:
     """The primary result in words: "A beats B on M at alpha 0.05 (...)", "A and B are equivalent
-    within ±m on M ...", or "neither shown ...". `result` is the test's dict (`stats` results)."""
-    a, b, metric = labels.get(p.a, p.a), labels.get(p.b, p.b), METRIC_NAMES[p.metric]
+    within ±m on M ...", or "neither shown ...". `results` holds each reference's test (`stats` results);
+    against several, "A beats every one of B, C on M ..." or "not shown: A does not beat C ..."."""
+    if len(p.b) > 1:
+        return _claim_verdict(p, results, labels)
+    result = results[p.b[0]]
+    a, b, metric = labels.get(p.a, p.a), labels.get(p.b[0], p.b[0]), METRIC_NAMES[p.metric]
     pv = result.get("p_value", math.nan) if result else math.nan
     if pv is None or math.isnan(pv):
         return f"not testable: {a} vs {b} on {metric} has too few runs for {p.test}"
@@ -152,6 +169,20 @@ def primary_verdict(p: Primary, result: Mapping[str, Any], labels: Mapping[str, 
         return f"neither shown: {a} vs {b} on {metric}, {detail} ≥ alpha {p.alpha:g}"
     win, lose = (a, b) if favours_a(p.metric, p.test, result) else (b, a)
     return f"{win} beats {lose} on {metric} at alpha {p.alpha:g} ({detail})"
+
+
+def _claim_verdict(p: Primary, results: Mapping[str, Mapping[str, Any]], labels: Mapping[str, str]) -> str:
+    """"A beats every one of B, C" (each test at alpha, A's way), or which of them A does not beat."""
+    spec, a, metric = p.to_dict(), labels.get(p.a, p.a), METRIC_NAMES[p.metric]
+    ps = {b: (results.get(b) or {}).get("p_value") for b in p.b}
+    detail = ", ".join(f"{labels.get(b, b)} p {ps[b]:.4g}" if ps[b] is not None else f"{labels.get(b, b)} p –"
+                       for b in p.b)
+    test = p.test.replace("_", " ")
+    missed = [labels.get(b, b) for b in p.b if not beats(spec, results.get(b))]
+    if not missed:
+        return (f"{a} beats every one of {', '.join(labels.get(b, b) for b in p.b)} on {metric} at alpha "
+                f"{p.alpha:g} ({test}: {detail})")
+    return f"not shown: {a} does not beat {', '.join(missed)} on {metric} at alpha {p.alpha:g} ({test}: {detail})"
 
 
 def favours_a(metric: str, test: str, result: Mapping[str, Any]) -> bool:
