@@ -493,10 +493,10 @@ def test_a_primary_against_several_arms_is_met_only_if_it_beats_each(tmp_path, k
     assert set(prim["results"]) == {"baseline", "kv_shuffled"} and prim["reference"] == "baseline"
     assert prim["spec"]["comparison"] == ["kv", ["baseline", "kv_shuffled"]]
     words = (f"not shown: +KV does not beat {missed} on" if missed else
-             "+KV beats every one of Baseline (SFT), +KV, shuffled teacher on")
+             "+KV beats every one of Baseline (SFT); +KV, shuffled teacher on")
     assert prim["verdict"].startswith(words + " answer NLL at alpha 0.05 (paired t: Baseline (SFT) p ")
     md = (tmp_path / "out" / "ablation.md").read_text()
-    assert f"+KV vs Baseline (SFT), +KV, shuffled teacher over seeds [0, 1, 2, 3, 4], the registered metric (answer NLL): " \
+    assert f"+KV vs Baseline (SFT); +KV, shuffled teacher over seeds [0, 1, 2, 3, 4], the registered metric (answer NLL): " \
            f"{prim['verdict']}." in md and "The first pair on accuracy (not the registered test):" in md
     # one reference is recorded as before (earlier sweeps' records keep their hash)
     assert parse_primary({"comparison": ["kv", ["baseline"]]}, ["kv", "baseline"], None).to_dict()["comparison"] \

@@ -1085,7 +1085,7 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         metric = (prim.get("spec") or {}).get("metric", "accuracy")
         refs = list(prim.get("results") or [prim["reference"]])  # older reports: one reference
         pair = f"{label[prim['variant']]} vs {label[prim['reference']]} over seeds {prim['seeds']}"
-        claim = f"{label[prim['variant']]} vs {', '.join(label[r] for r in refs)} over seeds {prim['seeds']}"
+        claim = f"{label[prim['variant']]} vs {'; '.join(label[r] for r in refs)} over seeds {prim['seeds']}"
         # a registered metric other than accuracy, or a claim against several arms, leads (its test is the
         # record); accuracy of the (first) pair follows as context
         registered = [] if metric == "accuracy" and len(refs) == 1 else [

@@ -172,17 +172,18 @@ def primary_verdict(p: Primary, results: Mapping[str, Mapping[str, Any]], labels
 
 
 def _claim_verdict(p: Primary, results: Mapping[str, Mapping[str, Any]], labels: Mapping[str, str]) -> str:
-    """"A beats every one of B, C" (each test at alpha, A's way), or which of them A does not beat."""
+    """"A beats every one of B; C" (each test at alpha, A's way), or which of them A does not beat. Arms are
+    separated by "; " since labels hold commas."""
     spec, a, metric = p.to_dict(), labels.get(p.a, p.a), METRIC_NAMES[p.metric]
     ps = {b: (results.get(b) or {}).get("p_value") for b in p.b}
-    detail = ", ".join(f"{labels.get(b, b)} p {ps[b]:.4g}" if ps[b] is not None else f"{labels.get(b, b)} p –"
+    detail = "; ".join(f"{labels.get(b, b)} p {ps[b]:.4g}" if ps[b] is not None else f"{labels.get(b, b)} p –"
                        for b in p.b)
     test = p.test.replace("_", " ")
     missed = [labels.get(b, b) for b in p.b if not beats(spec, results.get(b))]
     if not missed:
-        return (f"{a} beats every one of {', '.join(labels.get(b, b) for b in p.b)} on {metric} at alpha "
+        return (f"{a} beats every one of {'; '.join(labels.get(b, b) for b in p.b)} on {metric} at alpha "
                 f"{p.alpha:g} ({test}: {detail})")
-    return f"not shown: {a} does not beat {', '.join(missed)} on {metric} at alpha {p.alpha:g} ({test}: {detail})"
+    return f"not shown: {a} does not beat {'; '.join(missed)} on {metric} at alpha {p.alpha:g} ({test}: {detail})"
 
 
 def favours_a(metric: str, test: str, result: Mapping[str, Any]) -> bool:
