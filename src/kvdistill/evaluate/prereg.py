@@ -150,7 +150,7 @@ def preregister(out_dir: str | Path, record: Mapping[str, Any], has_runs: bool,
 def primary_verdict(p: Primary, results: Mapping[str, Mapping[str, Any]], labels: Mapping[str, str]) -> str:
     """The primary result in words: "A beats B on M at alpha 0.05 (...)", "A and B are equivalent
     within ±m on M ...", or "neither shown ...". `results` holds each reference's test (`stats` results);
-    against several, "A beats every one of B, C on M ..." or "not shown: A does not beat C ..."."""
+    against several, "A beats every one of B; C on M ..." or "not shown: A does not beat C ..."."""
     if len(p.b) > 1:
         return _claim_verdict(p, results, labels)
     result = results[p.b[0]]
