@@ -241,3 +241,37 @@ def plot_run_curves(
     if title:
         fig.suptitle(title)
     return save_figure(fig, path)
+
+
+def plot_survival(
+    curves: dict[str, tuple[list[float], list[float]]],
+    path: str | Path,
+    *,
+    budget: float,
+    threshold: float,
+    title: str = "",
+) -> Path:
+    """Steps-to-threshold survival curves: per variant, the share of its runs whose dev accuracy has not yet
+    reached the threshold, a falling step function (Kaplan–Meier; a curve that stays above 0 at the budget
+    has runs that never reached it).
+
+    Args:
+        curves: `{variant label: (times [k], share [k])}` as `evaluate.stats.survival_curve` gives them.
+        path: PNG to write.
+        budget: the last step (each curve is drawn on to it).
+        threshold: the dev accuracy, for the axis label.
+        title: figure title.
+    """
+    fig, ax = plt.subplots(figsize=(7.0, 3.6 + 0.22 * len(curves)), layout="constrained")
+    for i, (lab, (times, share)) in enumerate(curves.items()):
+        ax.step([*times, budget], [*share, share[-1]], where="post", color=plt.get_cmap("tab10")(i % 10),
+                linewidth=1.8, label=lab)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"runs not yet at dev accuracy ≥ {threshold:g}")
+    ax.set_ylim(-0.03, 1.03)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        fig.legend(loc="outside lower center", fontsize=8, ncol=min(3, len(curves)))
+    if title:
+        ax.set_title(title)
+    return save_figure(fig, path)

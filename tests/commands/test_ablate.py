@@ -704,12 +704,16 @@ def test_answer_nll_steps_to_threshold_welch_and_tost_in_the_report(tmp_path):
     assert "| Baseline (SFT) | 3 | 0.2" in md and "| 10 | > 10 |" in md  # runs table: censored at the budget
     saved = json.loads((tmp_path / "out" / "ablation.json").read_text())  # strict JSON: inf -> null
     assert saved["variants"]["baseline"]["steps_to_threshold"]["median"] is None
+    # the survival curves: a plot, named in the report
+    assert (tmp_path / "out" / "ablation_survival.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "ablation_survival.png" in md
     # without a dev curve: no steps (and no crash)
     fake_flat = FakeRuns(fake.acc)
     report = run_ablation(load_ablation_config(abl, output_dir=str(tmp_path / "flat")), train_fn=fake_flat.train,
                           eval_fn=fake_flat.eval, log=lambda s: None)
     assert report["variants"]["kv"]["steps_to_threshold"]["n"] == 0
     assert report["variants"]["kv"]["vs_baseline"]["steps"] is None
+    assert not (tmp_path / "flat" / "ablation_survival.png").exists()  # no curve, no survival plot
 
 
 @pytest.mark.parametrize("primary, words", [

@@ -13,6 +13,7 @@ from kvdistill.evaluate.stats import (
     paired_bootstrap,
     paired_permutation_test,
     paired_ttest,
+    survival_curve,
     tost,
     welch_ttest,
     wilson_interval,
@@ -224,3 +225,15 @@ def test_logrank_with_censoring_by_hand():
     assert logrank([3000] * 3, [0] * 3, [3000] * 2, [0] * 2).p_value == 1.0
     with pytest.raises(ValueError, match="equal lengths"):
         logrank([1, 2], [1], [1], [1])
+
+
+def test_survival_curve_is_kaplan_meier_by_hand():
+    """6 runs: events at 250, 500, 500, 750; two censored at the budget 1000. KM: S = prod(1 - d_i / n_i) over
+    event times: 5/6 at 250, 5/6 * 3/5 at 500 (5 at risk, 2 events), 1/2 * 2/3 at 750; flat to the budget."""
+    times, share = survival_curve([500, 1000, 250, 750, 500, 1000], [1, 0, 1, 1, 1, 0])
+    assert times == [0.0, 250.0, 500.0, 750.0, 1000.0]
+    assert share == pytest.approx([1.0, 5 / 6, 1 / 2, 1 / 3, 1 / 3])
+    # a run censored early stays at risk only until then: 2 of the 3 left reach the event at 300
+    assert survival_curve([100, 300, 300, 300], [0, 1, 1, 0])[1] == pytest.approx([1.0, 1.0, 1 / 3])
+    assert survival_curve([1000, 1000], [0, 0]) == ([0.0, 1000.0], [1.0, 1.0])  # nobody reached it
+    assert survival_curve([], []) == ([0.0], [1.0])

@@ -96,7 +96,13 @@ from kvdistill.evaluate.prereg import (
     primary_verdict,
     render_lead,
 )
-from kvdistill.evaluate.stats import mean_std, paired_bootstrap, paired_permutation_test, paired_ttest
+from kvdistill.evaluate.stats import (
+    mean_std,
+    paired_bootstrap,
+    paired_permutation_test,
+    paired_ttest,
+    survival_curve,
+)
 from kvdistill.io import read_json, write_json_atomic, write_text_atomic
 from kvdistill.malloc import keep_freed_memory
 from kvdistill.report import fmt_mean_std, fmt_num, fmt_p, fmt_signed, format_environment
@@ -1248,8 +1254,9 @@ def _metric(row: Mapping[str, Any], key: str) -> float | None:
 
 
 def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]:
-    """Write `ablation.md`, `ablation.json`, `ablation_accuracy.png` and `ablation_curves.png`."""
-    from kvdistill.plots import plot_bars_with_errors, plot_run_curves
+    """Write `ablation.md`, `ablation.json`, `ablation_accuracy.png`, `ablation_curves.png` and, with a
+    `threshold`, `ablation_survival.png`."""
+    from kvdistill.plots import plot_bars_with_errors, plot_run_curves, plot_survival
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -1283,6 +1290,14 @@ def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]
         paths["curves_png"] = plot_run_curves(panels, out / "ablation_curves.png",
                                               title=f"Ablation {out.name}: training curves")
         plots["training curves"] = paths["curves_png"].name
+    # steps to the threshold, per variant: (step, reached) of each run; censored runs sit at their budget
+    steps = {r["label"]: [run["steps"] for run in r["runs"].values() if run.get("steps")] for r in rows.values()}
+    if report.get("threshold") and any(steps.values()):
+        paths["survival_png"] = plot_survival(
+            {lab: survival_curve([s for s, _ in st], [bool(e) for _, e in st]) for lab, st in steps.items() if st},
+            out / "ablation_survival.png", budget=max(s for st in steps.values() for s, _ in st),
+            threshold=report["threshold"], title=f"Ablation {out.name}: steps to the threshold")
+        plots["steps to the threshold"] = paths["survival_png"].name
     paths["md"] = out / "ablation.md"
     write_text_atomic(paths["md"], render_markdown(report, plots))
     paths["json"] = out / "ablation.json"

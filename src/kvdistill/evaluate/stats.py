@@ -253,6 +253,30 @@ class LogRankResult:
         return asdict(self)
 
 
+def _censored(steps: Sequence[float], reached: Sequence[bool]) -> tuple[Any, int, int]:
+    """`(scipy CensoredData, n runs, n events)` of times `steps` censored where `reached` is False."""
+    t, e = np.asarray(steps, dtype=np.float64), np.asarray(reached, dtype=bool)  # [n], [n]
+    if t.shape != e.shape:
+        raise ValueError(f"steps and reached need equal lengths, got {len(t)} and {len(e)}")
+    return _scipy_stats().CensoredData(uncensored=t[e], right=t[~e]), len(t), int(e.sum())
+
+
+def survival_curve(steps: Sequence[float], reached: Sequence[bool]) -> tuple[list[float], list[float]]:
+    """Kaplan–Meier estimate of the share of runs not yet at the event (`scipy.stats.ecdf`).
+
+    Args: as `logrank`'s `steps_a` and `reached_a`.
+
+    Returns:
+        `(times [k + 1], share [k + 1])`: 1.0 at time 0, then the estimate after each distinct time, a
+        step function (`where="post"`). A run censored at its budget counts as at risk until then.
+    """
+    data, n, _ = _censored(steps, reached)
+    if n == 0:
+        return [0.0], [1.0]
+    sf = _scipy_stats().ecdf(data).sf
+    return [0.0, *map(float, sf.quantiles)], [1.0, *map(float, sf.probabilities)]
+
+
 def logrank(steps_a: Sequence[float], reached_a: Sequence[bool], steps_b: Sequence[float],
             reached_b: Sequence[bool]) -> LogRankResult:
     """Two-sided log-rank test of time-to-event (`scipy.stats.logrank`).
@@ -264,13 +288,7 @@ def logrank(steps_a: Sequence[float], reached_a: Sequence[bool], steps_b: Sequen
 
     With no event in either sample both are the same (all censored): p = 1.
     """
-    def censored(steps: Sequence[float], reached: Sequence[bool]) -> Any:
-        t, e = np.asarray(steps, dtype=np.float64), np.asarray(reached, dtype=bool)  # [n], [n]
-        if t.shape != e.shape:
-            raise ValueError(f"steps and reached need equal lengths, got {len(t)} and {len(e)}")
-        return _scipy_stats().CensoredData(uncensored=t[e], right=t[~e]), len(t), int(e.sum())
-
-    (xa, na, ea), (xb, nb, eb) = censored(steps_a, reached_a), censored(steps_b, reached_b)
+    (xa, na, ea), (xb, nb, eb) = _censored(steps_a, reached_a), _censored(steps_b, reached_b)
     if na == 0 or nb == 0:
         return LogRankResult(math.nan, math.nan, na, nb, ea, eb)
     if ea + eb == 0:
