@@ -262,16 +262,19 @@ def plot_survival(
         threshold: the dev accuracy, for the axis label.
         title: figure title.
     """
-    fig, ax = plt.subplots(figsize=(7.0, 3.6 + 0.22 * len(curves)), layout="constrained")
+    # a legend row holds as many labels as fit the figure's ~100 characters at 8 pt
+    ncol = max(1, min(3, 100 // (max(map(len, curves), default=1) + 6)))
+    fig, ax = plt.subplots(figsize=(7.0, 3.6 + 0.22 * -(-len(curves) // ncol)), layout="constrained")
     for i, (lab, (times, share)) in enumerate(curves.items()):
+        # curves that never fall lie on top of each other at 1.0: the line style tells them apart
         ax.step([*times, budget], [*share, share[-1]], where="post", color=plt.get_cmap("tab10")(i % 10),
-                linewidth=1.8, label=lab)
+                linestyle=("-", "--", ":", "-.")[i % 4], linewidth=1.8, label=lab)
     ax.set_xlabel("step")
     ax.set_ylabel(f"runs not yet at dev accuracy ≥ {threshold:g}")
     ax.set_ylim(-0.03, 1.03)
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        fig.legend(loc="outside lower center", fontsize=8, ncol=min(3, len(curves)))
+        fig.legend(loc="outside lower center", fontsize=8, ncol=ncol)
     if title:
         ax.set_title(title)
     return save_figure(fig, path)
