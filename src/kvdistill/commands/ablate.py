@@ -1291,10 +1291,10 @@ def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]
                                               title=f"Ablation {out.name}: training curves")
         plots["training curves"] = paths["curves_png"].name
     # steps to the threshold, per variant: (step, reached) of each run; censored runs sit at their budget
-    steps = {r["label"]: [run["steps"] for run in r["runs"].values() if run.get("steps")] for r in rows.values()}
+    steps = {r["label"]: list(_values(r["runs"], "steps").values()) for r in rows.values()}
     if report.get("threshold") and any(steps.values()):
         paths["survival_png"] = plot_survival(
-            {lab: survival_curve([s for s, _ in st], [bool(e) for _, e in st]) for lab, st in steps.items() if st},
+            {lab: survival_curve(*zip(*st)) for lab, st in steps.items() if st},
             out / "ablation_survival.png", budget=max(s for st in steps.values() for s, _ in st),
             threshold=report["threshold"], title=f"Ablation {out.name}: steps to the threshold")
         plots["steps to the threshold"] = paths["survival_png"].name
