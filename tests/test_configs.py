@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvdistill.commands.ablate import load_ablation_config, train_config_for
+from kvdistill.commands.ablate import load_ablation_config
+from kvdistill.commands.ablate.run import train_config_for
 from kvdistill.train.config import KVDistillConfig, TeacherConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

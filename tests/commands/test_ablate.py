@@ -245,7 +245,7 @@ def test_failed_capture_fails_only_the_runs_that_read_it(tmp_path, monkeypatch):
             raise FileNotFoundError("teacher t not found")
         return {**made, rdir: {}}, [f"capture: {rdir}"]
 
-    monkeypatch.setattr(ablate, "make_capture", fake_capture)
+    monkeypatch.setattr(ablate.run, "make_capture", fake_capture)
     fake = FakeRuns({"baseline": 0.3, "kv": 0.5, "relation": 0.5})
     with pytest.raises(FileNotFoundError):
         run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
@@ -268,7 +268,7 @@ def test_on_policy_variants_get_no_capture(tmp_path):
                      {"name": "seqkd", "overrides": {"seq_kd": True}}],
     })
     cfg = load_ablation_config(abl)
-    dirs = {v.name: ablate.capture_dir_for(cfg, v, ablate.train_config_for(cfg, v, 0)) for v in cfg.variants}
+    dirs = {v.name: ablate.run.capture_dir_for(cfg, v, ablate.run.train_config_for(cfg, v, 0)) for v in cfg.variants}
     assert dirs == {"off": tmp_path / "o" / "captures" / "off", "gkd": None, "seqkd": None}
 
 
@@ -308,7 +308,7 @@ def test_seed_placeholder_reads_each_runs_seed(tmp_path):
         "variants": [{"name": "v", "overrides": {"teachers": [{"path": "t_{seed}", "name": "t"}]}}],
     })
     cfg = load_ablation_config(abl)
-    runs = {s: ablate.train_config_for(cfg, cfg.variants[0], s) for s in (3, 4)}
+    runs = {s: ablate.run.train_config_for(cfg, cfg.variants[0], s) for s in (3, 4)}
     assert [r["student"] for r in runs.values()] == ["sft/seed_3/checkpoint-9", "sft/seed_4/checkpoint-9"]
     assert runs[4]["teachers"] == [{"path": "t_4", "name": "t"}] and runs[4]["run_name"] == "plain"
     assert cfg.overrides["student"] == "sft/seed_{seed}/checkpoint-9"  # the design (and its hash) keep the template
@@ -417,7 +417,7 @@ def test_controls_references_and_the_primary_comparison(tmp_path):
     # a primary whose reference wins significantly says so (it is not "not significant")
     flipped = {**report, "primary": {**report["primary"], "variant": "baseline", "reference": "relation",
                                      "delta_accuracy": -report["primary"]["delta_accuracy"]}}
-    assert "**significant, in the reference's favour**" in ablate.render_markdown(flipped)
+    assert "**significant, in the reference's favour**" in ablate.render.render_markdown(flipped)
     assert "## Against the controls" in md and "| +Relation | +Relation, shuffled teacher |" in md
     assert "| Privileged KV, no rationale | privileged_kv_untrained | not run |" in md
     # relation vs shuffled (0.8 vs 0.75 on 200 items x 5 seeds) need not be significant: the verdict follows
@@ -519,7 +519,7 @@ def nap():
     time.sleep(60)
 
 if __name__ == "__main__":
-    with ablate._pool(1, 1) as pool:
+    with ablate.run._pool(1, 1) as pool:
         pool.submit(nap)
         time.sleep(60)
 """
@@ -759,7 +759,7 @@ def test_preregistration_is_written_before_the_first_run_and_fixed_once_runs_exi
     cfg = load_ablation_config(abl)
     run_ablation(cfg, train_fn=train, eval_fn=fake.eval, log=lambda s: None)
     first = json.loads(record.read_text())
-    assert first["config_hash"] == ablate.preregistration(cfg)["config_hash"] and first["config"]["seeds"] == [0, 1, 2, 3, 4]
+    assert first["config_hash"] == ablate.design.preregistration(cfg)["config_hash"] and first["config"]["seeds"] == [0, 1, 2, 3, 4]
     run_ablation(load_ablation_config(abl), train_fn=train, eval_fn=fake.eval, log=lambda s: None)  # same: resumes
     assert json.loads(record.read_text())["registered"] == first["registered"]
     for change, what in (({"hypothesis": "KV hurts"}, "another hypothesis"),
@@ -807,8 +807,8 @@ def test_a_variants_subset_runs_under_the_yamls_full_preregistration(tmp_path):
 def test_a_one_seed_comparison_beats_nothing():
     """One seed has no paired t p-value (None): the report says "no", it does not crash (a partial sweep)."""
     cmp_ = {"delta_accuracy": 0.08, "ttest": {"p_value": None}, "permutation_p": 0.001}
-    assert not ablate._beats(cmp_) and not ablate._beats(None)
-    assert ablate._beats({**cmp_, "ttest": {"p_value": 0.01}})
+    assert not ablate.render._beats(cmp_) and not ablate.render._beats(None)
+    assert ablate.render._beats({**cmp_, "ttest": {"p_value": 0.01}})
 
 
 def test_a_hypothesis_named_after_the_runs_is_refused_and_none_is_never_refused(tmp_path):
@@ -860,7 +860,7 @@ def test_evidence_configs_load_and_their_committed_reports_render():
     for path in sorted((root / "docs" / "results").glob("evidence*/ablation.json")):
         report = json.loads(path.read_text())
         report.pop("environments", None)  # older reports stored them as strings
-        md = ablate.render_markdown(report)
+        md = ablate.render.render_markdown(report)
         assert "| Welch p (seeds) |" in md and "## Runs" in md
 
 
@@ -953,7 +953,7 @@ def test_a_teachers_own_control_tags_its_variant(tmp_path):
     relation, run_wide, copy_, two = cfg.variants
 
     def label(v, per_seed):
-        return ablate.control_label(v.label, ablate._control(cfg, v, per_seed))
+        return ablate.summary.control_label(v.label, ablate.summary._control(cfg, v, per_seed))
 
     tag = "[control: permuted teacher input]"
     # before any run: as the overrides set it
@@ -963,10 +963,10 @@ def test_a_teachers_own_control_tags_its_variant(tmp_path):
     recorded = {"teacher_control": "none", "teacher_controls": {"real": "none", "copy": "permuted"}}
     assert label(copy_, {0: recorded}) == f"Relation from the permuted copy {tag}"
     assert label(relation, {0: {"teacher_control": "none", "teacher_controls": {"t": "none"}}}) == "Relation"
-    assert ablate._control(cfg, run_wide, {0: {"teacher_control": "permuted", "teacher_controls": {"t": "permuted"}}}) \
+    assert ablate.summary._control(cfg, run_wide, {0: {"teacher_control": "permuted", "teacher_controls": {"t": "permuted"}}}) \
         == "permuted"
     # an earlier report's record (its own text, no per-teacher controls) reads back the same
-    assert ablate._control(cfg, two, {0: {"teacher_control": "untrained (a), permuted (b)"}}) == "untrained (a), permuted (b)"
+    assert ablate.summary._control(cfg, two, {0: {"teacher_control": "untrained (a), permuted (b)"}}) == "untrained (a), permuted (b)"
 
 
 # ============================================================================= from_report: a sweep continued on a

@@ -149,7 +149,7 @@ def test_ablate_captures_a_run_with_an_untrained_teacher_per_seed(tmp_path):
         "variants": [{"name": "mixed", "overrides": {}},
                      {"name": "plain", "overrides": {"teachers": [{"path": "t"}]}}]}))
     cfg = ablate.load_ablation_config(tmp_path / "a.yaml")
-    dirs = {v.name: ablate.capture_dir_for(cfg, v, ablate.train_config_for(cfg, v, 1)) for v in cfg.variants}
+    dirs = {v.name: ablate.run.capture_dir_for(cfg, v, ablate.run.train_config_for(cfg, v, 1)) for v in cfg.variants}
     captures = tmp_path / "o" / "captures"
     assert dirs == {"mixed": captures / "mixed_seed1", "plain": captures / "plain"}
 
@@ -181,4 +181,4 @@ def test_the_card_and_ablate_read_each_teachers_control_as_the_trainer_does(tmp_
     abl = ablate.load_ablation_config(tmp_path / "a.yaml")
     (v,) = abl.variants
     per_seed = bool({"untrained", "permuted"} & set(expected.values()))
-    assert ablate.capture_dir_for(abl, v, ablate.train_config_for(abl, v, 1)).name == ("x_seed1" if per_seed else "x")
+    assert ablate.run.capture_dir_for(abl, v, ablate.run.train_config_for(abl, v, 1)).name == ("x_seed1" if per_seed else "x")
