@@ -38,13 +38,24 @@ def environment() -> dict[str, Any]:
         "accelerate": accelerate.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": cpu_model(),
         "torch_threads": torch.get_num_threads(),
         "allocator": allocator(),  # kvdistill.malloc: changes CPU timings, not results
         "cpu_count": os.cpu_count(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name (`AMD EPYC ...`): the same command and seed can differ across CPU models, so a result
+    says which one made it. Linux reads `cpuinfo`; elsewhere (or unreadable) `platform.processor()`."""
+    try:
+        with open(cpuinfo, encoding="utf-8") as fh:
+            names = [line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def format_environment(env: dict[str, Any]) -> str:
