@@ -206,9 +206,6 @@ def _builtin(name: str) -> Variant:
     return Variant(name, label, copy.deepcopy(overrides), _REFERENCES.get(name), list(_CONTROLS.get(name, [])))
 
 
-# ----------------------------------------------------------------------------- config
-
-
 @dataclass
 class AblationConfig:
     """Options of `kvdistill ablate`: one YAML file (`--config`) plus command-line overrides."""

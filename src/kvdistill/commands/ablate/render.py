@@ -287,6 +287,3 @@ def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]
     paths["json"] = out / "ablation.json"
     write_json_atomic(paths["json"], report, indent=2)
     return paths
-
-
-# ----------------------------------------------------------------------------- command

@@ -355,6 +355,3 @@ def run_ablation(
     report["failures"] = plan.failures
     write_report(report, cfg)
     return report
-
-
-# ----------------------------------------------------------------------------- reading runs

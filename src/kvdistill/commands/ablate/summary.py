@@ -223,9 +223,6 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------------------- report
-
-
 def _agreement(final: Mapping[str, Any]) -> dict[str, float]:
     """A run's final attention KL and its selected/other-row KL split (`<loss>_kl_selected` / `_other`),
     over teachers and per teacher (`/<teacher>`), from train_summary's `final` (`train.curves.final_metrics`)."""
