@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvdistill.commands.bench", "benchmarks: alignment, CKA and step overhead -> JSON + Markdown"),
     "generate": ("kvdistill.commands.generate", "a teacher's sampled completions of a question set -> transfer set (jsonl)"),
     "gen-data": ("kvdistill.commands.gen_data", "write a synthetic GSM8K-format arithmetic dataset (jsonl)"),
+    "real-pair": ("kvdistill.commands.real_pair", "the pip-shipped real pair (Gemma-3-270m -> SmolLM2-135M) as local model dirs"),
     "smoke": ("kvdistill.commands.smoke", "build the tiny offline fixtures and print their KV shapes"),
     "dry-run": ("kvdistill.commands.dry_run", "meta-device dry run: params, KV shapes, aligners, GPU memory of a config"),
 }

@@ -32,6 +32,7 @@ from transformers import (
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from kvdistill.config import ConfigError, UserError
+from kvdistill.gguf import gguf_to_hf, is_gguf
 
 DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",
@@ -93,9 +94,15 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def model_dir(name_or_path: str | os.PathLike) -> str:
+    """`name_or_path` as `from_pretrained` reads it: a `.gguf` file becomes its converted directory (converted
+    once, cached by the file's hash: `kvdistill.gguf`); a directory or a Hub id stays as it is."""
+    return str(gguf_to_hf(name_or_path)) if is_gguf(name_or_path) else str(name_or_path)
+
+
 def _source_kwargs(name_or_path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     """Decide local dir vs Hub id; for a Hub id out of reach, only the local HF cache is tried."""
-    name = str(name_or_path)
+    name = model_dir(name_or_path)
     if Path(name).is_file():
         raise ModelLoadError(f"{name} is a file, not a model directory; give the directory that holds its "
                              "config.json and weights (as written by `save_pretrained`)")
@@ -161,10 +168,11 @@ def load_model(
     quantization: str | None = None,
     **kwargs: Any,
 ) -> PreTrainedModel:
-    """Load a causal LM from a Hub id or a local directory.
+    """Load a causal LM from a Hub id, a local directory or a GGUF file.
 
     Args:
-        name_or_path: Hub id ("Qwen/Qwen2.5-0.5B") or a local `save_pretrained` directory.
+        name_or_path: Hub id ("Qwen/Qwen2.5-0.5B"), a local `save_pretrained` directory, or a `.gguf` file
+            (dequantised once into a cached directory, `kvdistill.gguf`).
         dtype: "auto" | "fp32" | "bf16" | "fp16" (or a torch.dtype).
         device: where to put the weights (ignored with quantization, which places them itself).
         quantization: None, "4bit" or "8bit" (bitsandbytes; only when asked for).

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from kvdistill.cache import PAD, KeySpace, KVCache, forward_with_kv
 from kvdistill.config import ConfigError
 from kvdistill.losses import vocab_intersection
-from kvdistill.models import config_hash, load_model, load_tokenizer, untrained_copy
+from kvdistill.models import config_hash, load_model, load_tokenizer, model_dir, untrained_copy
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def load_teacher(spec: Any, student_tokenizer: Any, *, untrained: bool = False, 
     if not weights:
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
-        config = AutoConfig.from_pretrained(spec.path)
+        config = AutoConfig.from_pretrained(model_dir(spec.path))
         with torch.device("meta"):
             # the class itself, not `from_config`: under ZeRO-3 that partitions (`zero.Init`) and initialises
             # the weights, which a meta model has none of

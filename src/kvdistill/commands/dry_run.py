@@ -65,7 +65,7 @@ from kvdistill.align.aligner import KVAligner
 from kvdistill.align.layer_map import build_layer_map
 from kvdistill.config import ConfigError
 from kvdistill.io import REPO_ROOT, write_json_atomic
-from kvdistill.models import num_layers, resolve_dtype
+from kvdistill.models import model_dir, num_layers, resolve_dtype
 from kvdistill.report import markdown_table, param_count
 from kvdistill.train.build import check_relation_heads, make_aligner
 from kvdistill.train.config import KVDistillConfig, TeacherConfig, parse_config
@@ -145,7 +145,7 @@ def parse_dry_run(argv: list[str]) -> tuple[KVDistillConfig, dict[str, Any]]:
 
 def model_config_path(path: str) -> Path:
     """The config.json a model path is built from: its own local directory, else the shipped one."""
-    local = Path(path) / "config.json"
+    local = Path(model_dir(path)) / "config.json"
     shipped = MODEL_CONFIGS / Path(str(path).rstrip("/")).name / "config.json"
     for candidate in (local, shipped):
         if candidate.is_file():

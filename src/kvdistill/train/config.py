@@ -39,6 +39,7 @@ from kvdistill.data import DEFAULT_TEMPLATE, FIELD_MAPS, parse_student_input
 from kvdistill.fusion import FUSIONS
 from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
 from kvdistill.losses.relation import parse_rows
+from kvdistill.models import model_dir
 from kvdistill.teachers import LOGIT_KD_MODES
 
 logger = logging.getLogger(__name__)
@@ -595,7 +596,7 @@ class KVDistillConfig(TrainingArguments):
                               "`kvdistill layer-map`") from None
         doc = doc if isinstance(doc, dict) else {}  # the format is checked when the map is loaded
         for side, path in (("student", self.student), ("teacher", t.path)):
-            cfg_file = Path(path) / "config.json"
+            cfg_file = Path(model_dir(path)) / "config.json"
             if not cfg_file.exists():
                 continue  # a Hub id: checked when the model loads
             cfg = json.loads(cfg_file.read_text())
