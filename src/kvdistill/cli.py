@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 
 from kvdistill import __version__
@@ -58,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def console_logging() -> None:
+    """kvdistill's own INFO lines (which prompt each teacher reads, its logit-KD mode, a conversion...) on
+    stderr, once: from the main process only under `accelerate launch` (other ranks say warnings)."""
+    log = logging.getLogger("kvdistill")
+    if log.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("kvdistill: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+    log.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -67,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # handles --help / --version / unknown commands
         parser.print_help()
         return 2
+    console_logging()
     keep_freed_memory()  # before any tensor: training steps reuse freed memory instead of faulting it in again
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:

@@ -112,6 +112,12 @@ def _logit_teachers(tokenizer: Any, teachers: list[Teacher]) -> dict[str, LogitT
     for t in teachers:
         if t.logit_kd == "cross_vocab":
             out[t.name] = LogitTeacher("cross_vocab", *vocab_map(tokenizer, t.tokenizer), len(t.tokenizer))
+            shared = len(out[t.name].student_ids)
+            logger.info("teacher %s: cross-vocabulary logit KD at the positions where both tokenizers end a token "
+                        "at the same character; %s tokens are in both vocabularies (%.0f%% of the student's %s, "
+                        "%.0f%% of the teacher's %s): a divergence on those, sorted-probability L1 on the rest",
+                        t.name, f"{shared:,}", 100 * shared / len(tokenizer), f"{len(tokenizer):,}",
+                        100 * shared / len(t.tokenizer), f"{len(t.tokenizer):,}")
         elif t.logit_kd == "same_vocab":
             out[t.name] = LogitTeacher("same_vocab")
     return out

@@ -34,6 +34,7 @@ from kvdistill.onpolicy import completion_batch, on_policy_step, sampling_seed, 
 from kvdistill.runs import COMPLETE_FILE, METRICS, TEACHERS_FILE, TRAIN_CONFIG, complete_checkpoints
 from kvdistill.teachers import TeacherSet, derangement
 from kvdistill.train.config import ConfigError, KVDistillConfig, card_sections
+from kvdistill.train.console import use_console_callbacks
 from kvdistill.train.model import KVDistillModel, target_counts
 
 MODULES_FILE = "kvdistill_modules.safetensors"  # aligners, fusion logits, CODI heads
@@ -173,6 +174,7 @@ class KVDistillTrainer(Trainer):
         self.oracle_width = oracle_width  # teacher_control oracle: the class code's width (controls.oracle_width)
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self.add_callback(MetricsFileCallback(Path(self.args.output_dir) / METRICS))
+        use_console_callbacks(self)  # one short line per logging step; every figure in metrics.jsonl
         if accuracy_records and self.args.accuracy_eval_steps > 0:
             self.add_callback(AccuracyCallback(self, accuracy_records, self.args.accuracy_eval_steps,
                                                self.args.accuracy_eval_max_new_tokens))
