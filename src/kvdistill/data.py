@@ -27,6 +27,9 @@ from kvdistill.config import UserError
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 ANSWER_MARKER = "####"
 LATENT_TOKEN = "<|latent|>"  # one latent (pause) slot of `student_input: latent:N`
+# `char_ends` of a token without a character of the plain text: a special token (BOS, EOS, padding), or
+# one of a chat template's own characters, which a reader of the plain prompt never sees
+NO_CHAR, UNSHARED = -1, -2
 # field maps that make other datasets look like GSM8K: {our name: their column}
 FIELD_MAPS: dict[str, dict[str, str]] = {
     "gsm8k": {"question": "question", "answer": "answer"},
@@ -242,12 +245,21 @@ class Formatted:
     """A formatted example and the character span of each segment.
 
     `text[:prompt_end]` is the prompt, `text[prompt_end:reasoning_end]` the reasoning and the
-    rest the answer (`\\n#### 42`).
+    rest the answer (`\\n#### 42`). `shared [len(text)]`, when the prompt is a chat template's, is
+    each character's index in the plain-template text of the same record (`UNSHARED` for the
+    template's own characters): the coordinates every reader of the record shares, whatever its prompt.
     """
 
     text: str
     prompt_end: int
     reasoning_end: int
+    shared: Tensor | None = None
+
+    def shared_ends(self, ends: Tensor) -> Tensor:
+        """Token ends `[T]` (characters of `text`, `NO_CHAR` for special tokens) in shared coordinates."""
+        if self.shared is None:
+            return ends
+        return torch.where(ends >= 0, self.shared[ends.clamp(min=0)], ends)
 
 
 def format_prompt(question: str, template: str = DEFAULT_TEMPLATE, tokenizer: Any = None) -> str:
@@ -282,10 +294,23 @@ def format_example(
         alt = str(record[rationale_field])
         # split_answer reads a marker-less text as a final answer; here it is a bare chain of thought
         rationale, final = split_answer(alt) if ANSWER_MARKER in alt else (alt.strip(), final)
-    prompt = format_prompt(str(record["question"]), template, tokenizer)
+    question = str(record["question"])
+    prompt, plain = format_prompt(question, template, tokenizer), format_prompt(question, template)
     reasoning = f" {rationale}" if rationale else ""
     text = f"{prompt}{reasoning}\n{ANSWER_MARKER} {final}"
-    return Formatted(text, len(prompt), len(prompt) + len(reasoning))
+    shared = None if prompt == plain else _shared_chars(prompt, plain, question, len(text))
+    return Formatted(text, len(prompt), len(prompt) + len(reasoning), shared)
+
+
+def _shared_chars(prompt: str, plain: str, question: str, n: int) -> Tensor:
+    """`[n]` index in the plain-prompt text of every character of a text whose prompt is `prompt` (a chat
+    template's) instead of `plain`: the question and all after the prompt map across, the rest is UNSHARED."""
+    shared = torch.full((n,), UNSHARED, dtype=torch.long)
+    q, q_plain = prompt.find(question), plain.find(question)
+    if q >= 0 and q_plain >= 0:  # a template that rewrites the question shares none of it
+        shared[q : q + len(question)] = torch.arange(q_plain, q_plain + len(question))
+    shared[len(prompt) :] = torch.arange(len(plain), len(plain) + n - len(prompt))
+    return shared
 
 
 # ----------------------------------------------------------------------------- tokenisation
@@ -306,9 +331,24 @@ def token_segments(tokenizer: Any, f: Formatted, chat: bool) -> tuple[list[int],
     prompt's "Answer:" is a reasoning token, so the LM loss learns to emit it; special tokens read
     as prompt, and cummax gives one after the prompt (a chat template's end-of-turn) its neighbour's."""
     enc = tokenizer(f.text, return_offsets_mapping=True, add_special_tokens=not chat, truncation=False)
-    ends = torch.tensor([e - 1 if e > s else -1 for s, e in enc["offset_mapping"]], dtype=torch.long)  # [T]
+    ends = torch.tensor([e - 1 if e > s else NO_CHAR for s, e in enc["offset_mapping"]], dtype=torch.long)  # [T]
     seg = torch.where(ends >= 0, char_segments(f)[ends.clamp(min=0)], torch.tensor(PROMPT))  # [T]
     return list(enc["input_ids"]), ends, torch.cummax(seg, dim=0).values
+
+
+def prompt_reads(student: Any, teachers: Mapping[str, Any], template: str = DEFAULT_TEMPLATE,
+                 use_chat_template: bool = False) -> str:
+    """One line naming the prompt the student and each teacher read (`teachers`: name -> tokenizer, None for
+    one that reads the student's tokens). Under `use_chat_template` each reader takes its own chat template
+    if it has one and `template` otherwise; their tokens are paired on the characters they share."""
+    def reads(tok: Any) -> str:
+        if use_chat_template and getattr(tok, "chat_template", None):
+            return "its chat template"
+        return f"prompt_template {template!r}" + (" (it has no chat template)" if use_chat_template else "")
+
+    parts = [f"student reads {reads(student)}"]
+    parts += [f"teacher {n} reads " + ("the student's tokens" if tok is None else reads(tok)) for n, tok in teachers.items()]
+    return "prompts: " + "; ".join(parts)
 
 
 def tokenize_example(
@@ -324,8 +364,9 @@ def tokenize_example(
     Returns:
         dict of 1-D tensors `[T]`: `input_ids`, `attention_mask`, `labels` (prompt = -100, so the
         LM loss sees only reasoning + answer), `segment_ids` (0 prompt, 1 reasoning, 2 answer), `char_ends`
-        (each token's last character in the formatted text, -1 for specials: cross-vocab logit KD pairs two
-        tokenizations' positions by it), and
+        (each token's last character in the plain-prompt text, whatever prompt this reader has: `NO_CHAR`
+        for specials, `UNSHARED` for a chat template's own text; cross-vocab logit KD and the time
+        alignment pair two tokenizations' positions by it), and
         `field:<name>` for every per-token field the record carries (`fields.py`; `IGNORE` elsewhere).
     """
     if not getattr(tokenizer, "is_fast", False):
@@ -352,7 +393,7 @@ def tokenize_example(
         "attention_mask": torch.ones_like(input_ids),
         "labels": labels,
         "segment_ids": seg,
-        "char_ends": torch.cat([ends, torch.full((len(ids) - len(ends),), -1)])[:max_length],  # + the EOS
+        "char_ends": torch.cat([f.shared_ends(ends), torch.full((len(ids) - len(ends),), NO_CHAR)])[:max_length],  # + EOS
     }
     if record.get(token_fields.FIELD_KEY):
         try:
@@ -370,7 +411,7 @@ def pad_batch(features: Sequence[Mapping[str, Tensor]], pad_id: int, side: str =
     T = max(len(f["input_ids"]) for f in features)
     # a per-token field is the union over the batch: a record without it has no value at any token
     field_keys = sorted({k for f in features for k in f if k.startswith("field:")})
-    fill = {"input_ids": pad_id, "attention_mask": 0, "labels": -100, "segment_ids": PAD, "char_ends": -1,
+    fill = {"input_ids": pad_id, "attention_mask": 0, "labels": -100, "segment_ids": PAD, "char_ends": NO_CHAR,
             **dict.fromkeys(field_keys, token_fields.IGNORE)}
     out: dict[str, Tensor] = {}
     for key, value in fill.items():

@@ -149,3 +149,28 @@ def test_resample_kv_with_a_soft_layer_map_is_resample_then_einsum(mode):
     out_bf16 = resample_kv(x.bfloat16(), idx, layers, weights)
     assert out_bf16.dtype == torch.bfloat16
     torch.testing.assert_close(out_bf16.double(), ref, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_char_ends_pair_each_student_token_with_the_teacher_token_holding_its_last_character(left_pad):
+    """With `char_ends`, tokens pair by text, not by rank: a teacher <bos> (no characters) shifts nothing, byte
+    pieces of one character (equal ends) read its one token, EOS reads EOS, a chat template's own text (-2) reads
+    nothing, and a character past a truncated teacher has no source."""
+    P, R, A = PROMPT, REASONING, ANSWER
+    # text "ab 東x", teacher: <bos> "ab" " 東" "x" <eos> (right-padded); student: "a" "b" " " 東 東 東 "x" <eos>
+    t_ends = torch.tensor([[-1, 1, 3, 4, -1, -1], [-1, 1, 3, -1, -1, -1]])  # row 1: cut after " 東"
+    t_seg = torch.tensor([[P, P, R, R, A, PAD], [P, P, R, PAD, PAD, PAD]])
+    s_ends = torch.tensor([[0, 1, 2, 3, 3, 3, 4, -1], [-2, 0, 1, 2, 3, 3, 4, -2]])  # row 1: template text around
+    s_seg = torch.tensor([[P, P, R, R, R, R, R, A], [P, P, P, R, R, R, R, A]])
+    t_mask, s_mask = (t_seg >= 0).long(), torch.ones_like(s_seg)
+    pad = int(left_pad) * (t_mask == 0).sum(1, keepdim=True)  # [B, 1] teacher positions shift under left padding
+    if left_pad:  # each teacher row's padding moved to its front
+        t_ends, t_seg, t_mask = (torch.stack([r.roll(int(n)) for r, n in zip(x, pad)]) for x in (t_ends, t_seg, t_mask))
+    idx = time_index(t_mask, t_seg, s_mask, s_seg, src_ends=t_ends, tgt_ends=s_ends)
+    want = torch.tensor([[1, 1, 2, 2, 2, 2, 3, 4], [0, 1, 1, 2, 2, 2, 0, 0]]) + pad
+    valid = torch.tensor([[True] * 8, [False, True, True, True, True, True, False, False]])
+    assert torch.equal(idx.valid, valid)
+    assert torch.equal(idx.lo[valid], want[valid]) and torch.equal(idx.hi[valid], want[valid])
+    assert (idx.lam == 0).all()
+    # without char ends the same segments resample by rank: the student's first token reads <bos>
+    assert time_index(t_mask, t_seg, s_mask, s_seg).lo[0, 0] == pad[0, 0]

@@ -18,6 +18,14 @@ Modes:
     global: the same proportional map over all valid tokens, ignoring segments.
     index: position t reads position t (no interpolation); both lengths must be equal.
 
+With both sides' character ends (`char_ends` of `kvdistill.data`, in the coordinates every reader of
+a record shares), `segment` and `global` pair by characters instead: a student token reads the
+teacher token holding its last character, so the two always overlap in the text, whatever the
+tokenizers do with digits, spaces, emoji or byte pieces (several student pieces of one character read
+its one teacher token). Tokens without characters (BOS, EOS) pair among themselves by the
+proportional rule above, and a chat template's own text (`UNSHARED`) has no teacher token to read.
+Only for a teacher that reads the student's text (same rationale, full student input, no rewrite).
+
 Everything is batched: a few `cumsum` / `scatter` / `gather` ops over `[B, T]`, no loop over
 samples, segments or layers.
 """
@@ -33,6 +41,7 @@ from torch import Tensor
 
 TimeMode = Literal["segment", "global", "index"]
 TIME_MODES = ("segment", "global", "index")
+NO_CHAR = -1  # `char_ends` of a token without characters: `kvdistill.data.NO_CHAR` (a sibling layer: not imported)
 
 
 @dataclass
@@ -90,6 +99,8 @@ def time_index(
     tgt_mask: Tensor,
     tgt_segments: Tensor | None,
     mode: TimeMode = "segment",
+    src_ends: Tensor | None = None,
+    tgt_ends: Tensor | None = None,
 ) -> TimeIndex:
     """Map every target (student) token to source (teacher) positions.
 
@@ -99,6 +110,8 @@ def time_index(
         tgt_mask: `[B, T_s]` student attention mask.
         tgt_segments: `[B, T_s]` student segment ids or None.
         mode: "segment" | "global" | "index" (see the module docstring).
+        src_ends, tgt_ends: `[B, T_t]`, `[B, T_s]` character ends of both sides' tokens (`char_ends`):
+            pair tokens by the text they cover (module docstring). Ignored in index mode.
 
     Returns:
         `TimeIndex` with `[B, T_s]` fields.
@@ -136,6 +149,24 @@ def time_index(
     src_valid, src_seg = _segments_or_global(src_mask, src_segments, use_segments)
     tgt_valid, tgt_seg = _segments_or_global(tgt_mask, tgt_segments, use_segments)
     src_seg = src_seg.to(device)
+    if src_ends is None or tgt_ends is None:
+        return _proportional(src_valid, src_seg, tgt_valid, tgt_seg)
+    src_ends, tgt_ends = src_ends.to(device), tgt_ends.to(device)
+    # tokens without characters (BOS, EOS) pair among themselves, segment by segment
+    idx = _proportional(src_valid & (src_ends == NO_CHAR), src_seg, tgt_valid & (tgt_ends == NO_CHAR), tgt_seg)
+    # the first teacher token ending at or after a character holds it (the ends cover the text in order);
+    # cummax makes the ends of specials and padding, anywhere in the row, non-decreasing for the search
+    key = torch.where(src_valid & (src_ends >= 0), src_ends, NO_CHAR).cummax(1).values  # [B, T_t]
+    pos = torch.searchsorted(key, tgt_ends.contiguous())  # [B, T_s]
+    chars = tgt_valid & (tgt_ends >= 0) & (pos < T_t)  # a character past a truncated teacher has no token
+    pos = pos.clamp(max=T_t - 1)
+    return TimeIndex(torch.where(chars, pos, idx.lo), torch.where(chars, pos, idx.hi),
+                     torch.where(chars, 0.0, idx.lam), chars | idx.valid)
+
+
+def _proportional(src_valid: Tensor, src_seg: Tensor, tgt_valid: Tensor, tgt_seg: Tensor) -> TimeIndex:
+    """The proportional map of the valid target tokens of each segment onto the source's (module docstring)."""
+    (B, T_t), device = src_valid.shape, tgt_valid.device
     S = int(torch.maximum(src_seg.max(), tgt_seg.max()).clamp(min=0).item()) + 1  # segment classes
 
     src_seg_c, src_rank, src_count = _ranks(src_valid, src_seg, S)  # [B, T_t], [B, T_t], [B, S]

@@ -37,7 +37,8 @@ class EvalConfig:
     template: str | None = option(None, "Prompt template with {question}; default: the training template of a "
                                   f"kvdistill run, else {DEFAULT_TEMPLATE!r}.")
     chat_template: str | None = option(None, "Use the tokenizer's chat template: auto (if it has one), on, off; "
-                                       "default: as the kvdistill run was trained, else auto.")
+                                       "default: as the kvdistill run was trained, else off (training's default), "
+                                       "so a base model and its student are scored on the same prompt.")
     stop: list[str] | None = option(None, "Stop strings; default: newline + the template text before {question}.")
     no_perplexity: bool = option(False, "Skip the reference perplexity.")
     no_answer_nll: bool = option(False, "Skip the answer NLL (the gold answer's NLL after the model's own "
@@ -150,7 +151,7 @@ def run_eval(
     `kwargs` go to `evaluate_model` (batch_size, max_new_tokens, template, chat_template, ...);
     the answer NLL is on unless `answer_nll=False`.
     `template` / `chat_template` left out (or None) come from the run's training config when
-    `model_path` is a kvdistill run, else the defaults (plain template, chat template if any).
+    `model_path` is a kvdistill run, else the defaults (plain template, no chat template, as training's).
     """
     from kvdistill.models import check_vocab, load_model, load_tokenizer, resolve_device
 
@@ -163,6 +164,7 @@ def run_eval(
             kwargs.pop(key, None)
             if key in trained:
                 kwargs[key] = trained[key]
+    kwargs.setdefault("chat_template", "off")  # training's default: a base model reads what its student was taught on
     device = resolve_device(device)
     records = load_records(data, split=split, field_map=field_map, limit=limit)
     student_input = trained.get("student_input", "full")
@@ -172,7 +174,9 @@ def run_eval(
     model = load_model(model_dir, dtype=dtype, device=device)
     check_vocab(model, tokenizer, model_dir)
     check_lengths(model, tokenizer, records, model_dir, str(data), kwargs)
-    log(f"eval: {model_dir} on {data}:{split} ({len(records)} questions, device {device})")
+    log(f"eval: {model_dir} on {data}:{split} ({len(records)} questions, device {device}); prompt "
+        f"{kwargs.get('template') or DEFAULT_TEMPLATE!r}, chat template {kwargs['chat_template']}"
+        + (" (as the run was trained)" if "chat_template" in trained else ""))
     result = evaluate_model(model, tokenizer, records, **{"answer_nll": True, **kwargs})
     result.update(
         {

@@ -33,7 +33,14 @@ from kvdistill.capture import (
 )
 from kvdistill.config import ConfigError
 from kvdistill.controls import TextPermutation, oracle_width
-from kvdistill.data import DistillCollator, TeacherView, add_latent_token, load_records, teacher_view
+from kvdistill.data import (
+    DistillCollator,
+    TeacherView,
+    add_latent_token,
+    load_records,
+    prompt_reads,
+    teacher_view,
+)
 from kvdistill.fields import FIELD_KEY
 from kvdistill.fusion import TeacherFusion
 from kvdistill.io import read_json, write_json_atomic
@@ -277,6 +284,8 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True, log: Callable[[
             r["index"] = len(records) + i  # after the labelled ids: one teacher-cache id space
     collator = DistillCollator(tokenizer, cfg.max_length, cfg.prompt_template, cfg.use_chat_template, views,
                                cfg.student_input, transfer, cfg.transfer_batch_size, cfg.seed)
+    log(prompt_reads(tokenizer, {t.name: None if t.shares_student_tokens else t.tokenizer for t in teachers},
+                     cfg.prompt_template, cfg.use_chat_template))
     return RunInputs(tokenizer, student, records, transfer, teachers, specs, collator)
 
 
