@@ -7,6 +7,7 @@ module sees only the `KVCache` value below, so those differences stop here.
 
 from __future__ import annotations
 
+import math
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -32,7 +33,8 @@ class KVCache:
         attention_mask: `[B, T]` 1 for real tokens, 0 for padding.
         segment_ids: `[B, T]` 0 prompt, 1 reasoning, 2 answer, -1 padding (optional).
         hidden_states: `[L+1, B, T, d_model]` embeddings + every layer's output (optional).
-        queries: `[L, B, H_q, T, D]` post-RoPE queries (optional; `forward_with_kv(queries=True)`).
+        queries: `[L, B, H_q, T, D]` post-RoPE queries, carrying the model's logit scale over `1/sqrt(D)`
+            (optional; `forward_with_kv(queries=True)`, `capture_queries`).
     """
 
     keys: Tensor
@@ -117,38 +119,51 @@ def stack_cache(past_key_values: Any) -> tuple[Tensor, Tensor]:
     lengths = {k.shape[-2] for k in ks}
     if len(lengths) != 1:
         raise ValueError(
-            f"cache layers hold different lengths {sorted(lengths)} (sliding-window layers cropped the cache); "
-            "use a max_length no longer than the model's sliding window"
+            f"cache layers hold different lengths {sorted(lengths)} (sliding-window layers keep only their last "
+            f"{min(lengths)} tokens); use a max_length of at most {min(lengths)}"
         )
     return torch.stack(ks), torch.stack(vs)  # [L, B, H, T, D] each
 
 
-def _key_modules(model: nn.Module) -> list[nn.Module]:
-    """The per-layer modules whose output is the pre-RoPE key (k_norm if present, else k_proj)."""
-    found = [m for name, m in model.named_modules() if name.endswith("self_attn.k_norm")]
-    if not found:
-        found = [m for name, m in model.named_modules() if name.endswith("self_attn.k_proj")]
-    return found
+def _attentions(model: nn.Module) -> list[nn.Module]:
+    """The per-layer attention modules with a key projection (Llama/Qwen/Gemma-style `self_attn.k_proj`)."""
+    return [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "k_proj")]
+
+
+def _heads(attn: nn.Module, x: Tensor, norm: str) -> Tensor:
+    """A query/key projection's output `[B, T, H*D]` as it enters the rotary embedding, `[B, H, T, D]`.
+
+    The layer's `q_norm`/`k_norm` (where it has one) is applied here rather than hooked, since models
+    apply it at different layouts: Qwen3 on `[B, T, H, D]`, Gemma3 on `[B, H, T, D]` (both an RMSNorm
+    over the head dim, so the layout does not change it), OLMo2 on `[B, T, H*D]` (over all heads at once).
+    """
+    B, T = x.shape[:2]
+    norm_fn = getattr(attn, norm, None)
+    whole = norm_fn is not None and norm_fn.weight.shape[-1] == x.shape[-1]  # OLMo2: one norm over all heads
+    x = (norm_fn(x) if whole else x).reshape(B, T, -1, attn.head_dim)  # [B, T, H, D]
+    if norm_fn is not None and not whole:
+        x = norm_fn(x)
+    return x.transpose(1, 2)  # [B, H, T, D]
 
 
 @contextmanager
-def capture_pre_rope_keys(model: nn.Module, num_kv_heads: int | None = None, head_dim: int | None = None):
-    """Record each layer's key before the rotary embedding via forward hooks.
+def capture_pre_rope_keys(model: nn.Module):
+    """Record each layer's key before the rotary embedding via forward hooks on `k_proj`.
 
-    Yields a list that fills with `[B, H, T, D]` tensors, one per layer, in layer order.
-    Models without rotary embeddings (GPT-2) have no `k_proj`: their cached keys already are
-    "pre-RoPE", and the caller falls back to them. The geometry defaults to the model config's,
-    so a caller can wrap `forward_with_kv` and get pre- and post-RoPE keys from one pass.
+    Yields a list that fills with `[B, H, T, D]` tensors, one per layer, in layer order: the key
+    projection's output through the layer's `k_norm` where it has one (`_heads`). Models without
+    rotary embeddings (GPT-2) have no `k_proj`: their cached keys already are "pre-RoPE", and the
+    caller falls back to them. A caller can wrap `forward_with_kv` and get pre- and post-RoPE keys
+    from one pass.
     """
-    if num_kv_heads is None or head_dim is None:
-        num_kv_heads, head_dim = _kv_geometry(model)
     captured: list[Tensor] = []
 
-    def hook(_module: nn.Module, _inputs: Any, output: Tensor) -> None:
-        B, T = output.shape[0], output.shape[1]
-        captured.append(output.reshape(B, T, num_kv_heads, head_dim).transpose(1, 2))  # [B, H, T, D]
+    def key_hook(attn: nn.Module):
+        def hook(_module: nn.Module, _inputs: Any, output: Tensor) -> None:
+            captured.append(_heads(attn, output, "k_norm"))  # [B, H, T, D]
+        return hook
 
-    handles = [m.register_forward_hook(hook) for m in _key_modules(model)]
+    handles = [m.k_proj.register_forward_hook(key_hook(m)) for m in _attentions(model)]
     try:
         yield captured
     finally:
@@ -156,23 +171,50 @@ def capture_pre_rope_keys(model: nn.Module, num_kv_heads: int | None = None, hea
             h.remove()
 
 
-def query_modules(model: nn.Module) -> tuple[list[nn.Module], Any]:
-    """The per-layer attention modules with a query projection (Llama/Qwen2-style `self_attn.q_proj`)
-    and their modeling module's `apply_rotary_pos_emb`. A model without them (GPT-2), or whose
-    attention is not `softmax(q kᵀ / sqrt(D))` over all earlier tokens, raises ValueError naming what
-    is missing."""
-    attns = [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "q_proj")]
+def query_modules(model: nn.Module, seq_len: int | None = None) -> tuple[list[nn.Module], Any]:
+    """The per-layer attention modules with a query projection (Llama/Qwen/Gemma-style `self_attn.q_proj`)
+    and their modeling module's `apply_rotary_pos_emb`, for attention maps `softmax(scaling · q kᵀ)`
+    over all earlier tokens, `scaling` the module's own. ValueError (one line) for a model without
+    them (GPT-2), whose attention is not causal or soft-caps its logits, or, given `seq_len`, whose
+    sliding window would cut a sequence that long (`_check_windows`)."""
+    attns = [m for m in _attentions(model) if hasattr(m, "q_proj")]
     name = type(model).__name__
     rotate = getattr(sys.modules[type(attns[0]).__module__], "apply_rotary_pos_emb", None) if attns else None
     if not attns or rotate is None:
         raise ValueError(f"{name} has no Llama/Qwen2-style attention (self_attn.q_proj and apply_rotary_pos_emb): "
                          "kv_loss attention needs its post-RoPE queries; use kv_loss relation for this model")
-    for m in attns:
-        d = m.head_dim
-        if abs(getattr(m, "scaling", d**-0.5) - d**-0.5) > 1e-9 or getattr(m, "sliding_window", None):
-            raise ValueError(f"{name}: its attention is not softmax(q kᵀ / sqrt(head_dim)) over all earlier tokens "
-                             "(another scaling or a sliding window); kv_loss attention cannot reproduce its maps")
+    for reason, bad in [("soft-capped logits (attn_logit_softcapping)",
+                         [i for i, m in enumerate(attns) if getattr(m, "attn_logit_softcapping", None)]),
+                        ("non-causal attention", [i for i, m in enumerate(attns) if not getattr(m, "is_causal", True)])]:
+        if bad:
+            raise ValueError(f"{name}: layers {_spans(bad)} have {reason}; kv_loss attention cannot reproduce "
+                             "their maps")
+    if seq_len is not None:
+        _check_windows(name, attns, seq_len)
     return attns, rotate
+
+
+def _check_windows(name: str, attns: list[nn.Module], seq_len: int) -> None:
+    """ValueError (one line) where a layer's sliding window W would cut a `seq_len`-token map: a query
+    sees its last W keys itself included (`masking_utils.sliding_window_overlay`), so `seq_len <= W` is
+    exactly the causal map the attention loss computes."""
+    windows = {i: m.sliding_window for i, m in enumerate(attns) if getattr(m, "sliding_window", None)}
+    cut = [i for i, w in windows.items() if seq_len > w]
+    if cut:
+        raise ValueError(f"{name}: layers {_spans(cut)} attend within a sliding window of "
+                         f"{min(windows[i] for i in cut)} tokens, and kv_loss attention reads causal maps over "
+                         f"{seq_len}; use sequences of at most {min(windows.values())} tokens")
+
+
+def _spans(layers: list[int]) -> str:
+    """[0, 1, 2, 4] -> "0-2, 4"."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 @contextmanager
@@ -180,9 +222,12 @@ def capture_queries(model: nn.Module):
     """Record each layer's post-RoPE queries via forward hooks, as its attention computes them.
 
     Yields a list that fills with `[B, H_q, T, D]` tensors, one per layer, in layer order: the query
-    projection's output (`q_norm`'s where the model has one) rotated by the `position_embeddings`
-    (cos, sin) the attention module receives, with its modeling module's own `apply_rotary_pos_emb`
-    (`query_modules`; ValueError for a model without them).
+    projection's output (through `q_norm` where the model has one, `_heads`) rotated by the
+    `position_embeddings` (cos, sin) the attention module receives, with its modeling module's own
+    `apply_rotary_pos_emb` (`query_modules`; ValueError for a model without them). Each is scaled by
+    `scaling · sqrt(D)` (1 where the module's scaling is the usual `D**-0.5`; Gemma3's is
+    `query_pre_attn_scalar**-0.5`), so that `softmax(q kᵀ / sqrt(D))`, the attention loss's map, is the
+    model's own. A sequence longer than a layer's sliding window raises ValueError (`_check_windows`).
     """
     attns, rotate = query_modules(model)
     captured: list[Tensor] = []
@@ -194,32 +239,22 @@ def capture_queries(model: nn.Module):
         return hook
 
     def attn_hook(module: nn.Module, args: tuple, kwargs: dict, _output: Any) -> None:
-        q = pending.pop(id(module))
-        B, T = q.shape[0], q.shape[1]
-        q = q.reshape(B, T, -1, module.head_dim).transpose(1, 2)  # [B, H_q, T, D]
+        D = module.head_dim
+        q = _heads(module, pending.pop(id(module)), "q_norm")  # [B, H_q, T, D]
+        _check_windows(type(model).__name__, attns, q.shape[2])
         cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
-        captured.append(rotate(q, q, cos, sin)[0])
+        scale = getattr(module, "scaling", D**-0.5) * math.sqrt(D)  # the model's logit scale over the loss's 1/sqrt(D)
+        captured.append(rotate(q, q, cos, sin)[0] * scale)
 
     handles = []
     for m in attns:
-        proj = m.q_norm if hasattr(m, "q_norm") else m.q_proj  # the query as it enters the rotary embedding
-        handles.append(proj.register_forward_hook(project_hook(m)))
+        handles.append(m.q_proj.register_forward_hook(project_hook(m)))
         handles.append(m.register_forward_hook(attn_hook, with_kwargs=True))
     try:
         yield captured
     finally:
         for h in handles:
             h.remove()
-
-
-def _kv_geometry(model: nn.Module) -> tuple[int, int]:
-    cfg = getattr(model, "config", None)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    n_heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
-    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
-    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
-    head_dim = getattr(cfg, "head_dim", None) or hidden // n_heads
-    return n_kv, head_dim
 
 
 def forward_with_kv(
@@ -256,7 +291,7 @@ def forward_with_kv(
     if key_space not in ("post_rope", "pre_rope"):
         raise ValueError(f"key_space must be 'post_rope' or 'pre_rope', got {key_space!r}")
     inner = getattr(model, "module", model)  # DDP/FSDP wrapper -> the HF model, for hooks/config
-    ctx = capture_pre_rope_keys(inner, *_kv_geometry(inner)) if key_space == "pre_rope" else nullcontext([])
+    ctx = capture_pre_rope_keys(inner) if key_space == "pre_rope" else nullcontext([])
     with ctx as pre_keys, (capture_queries(inner) if queries else nullcontext([])) as qs:
         out = model(
             input_ids=input_ids,

@@ -8,9 +8,11 @@ and query row i (post-RoPE queries q and keys k, causal, padding masked):
     A^t_{l,h}[i] = sum_{l'} M[l, l'] sum_{h'} W[h, h'] softmax_{j <= i}(q^t_{l',h',i} · k^t_{l',kv(h'),j} / sqrt(D_t))
     loss_i       = mean_{l, h} KL(A^t_{l,h}[i] ‖ A^s_{l,h}[i])
 
-`kv(h)` is the KV head a query head reads (grouped-query attention: `h // (H_q / H_kv)`). The
-teacher's queries and keys are time-aligned onto the student's positions first, so both maps are
-over the student's tokens. The teacher target is a convex mix of maps (not the map of mixed
+`kv(h)` is the KV head a query head reads (grouped-query attention: `h // (H_q / H_kv)`). The hooked
+queries carry their model's own logit scale (`cache.capture_queries`; Gemma3 scales by
+`query_pre_attn_scalar**-0.5`), so `/ sqrt(D)` gives each model's own map. The teacher's queries
+and keys are time-aligned onto the student's positions first, so both maps are over the student's
+tokens. The teacher target is a convex mix of maps (not the map of mixed
 queries and keys): over teacher layers by the layer map `M [L_s, L_t]` (rows sum to 1), and over
 teacher heads by `W [H_s, H_t]` (`head_groups`): each side's query heads split the unit interval
 into equal parts and a student head averages the teacher heads overlapping its part, weighted by
