@@ -35,6 +35,8 @@ class KVCache:
         hidden_states: `[L+1, B, T, d_model]` embeddings + every layer's output (optional).
         queries: `[L, B, H_q, T, D]` post-RoPE queries, carrying the model's logit scale over `1/sqrt(D)`
             (optional; `forward_with_kv(queries=True)`, `capture_queries`).
+        char_ends: `[B, T]` each token's last character in the text both sides read (`data.tokenize_example`;
+            -1 none): with both sides', the time alignment pairs tokens by the text they cover (optional).
     """
 
     keys: Tensor
@@ -43,6 +45,7 @@ class KVCache:
     segment_ids: Tensor | None = None
     hidden_states: Tensor | None = None
     queries: Tensor | None = None
+    char_ends: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 5 or self.values.dim() != 5:

@@ -298,11 +298,11 @@ def format_example(
     prompt, plain = format_prompt(question, template, tokenizer), format_prompt(question, template)
     reasoning = f" {rationale}" if rationale else ""
     text = f"{prompt}{reasoning}\n{ANSWER_MARKER} {final}"
-    shared = None if prompt == plain else _shared_chars(prompt, plain, question, len(text))
+    shared = None if prompt == plain else shared_chars(prompt, plain, question, len(text))
     return Formatted(text, len(prompt), len(prompt) + len(reasoning), shared)
 
 
-def _shared_chars(prompt: str, plain: str, question: str, n: int) -> Tensor:
+def shared_chars(prompt: str, plain: str, question: str, n: int) -> Tensor:
     """`[n]` index in the plain-prompt text of every character of a text whose prompt is `prompt` (a chat
     template's) instead of `plain`: the question and all after the prompt map across, the rest is UNSHARED."""
     shared = torch.full((n,), UNSHARED, dtype=torch.long)

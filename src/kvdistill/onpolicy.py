@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from kvdistill.data import (
     Formatted,
     format_prompt,
     pad_batch,
+    shared_chars,
     token_segments,
 )
 from kvdistill.evaluate.scoring import eos_token_ids, generate_batch
@@ -179,14 +180,18 @@ def tokenize_completion(
     Returns:
         dict of 1-D tensors `[T]` (T <= max_length): `input_ids`, `attention_mask`, `labels`
         (-100 on the prompt), `segment_ids` (0 prompt, 1 reasoning, 2 answer), `char_ends` (each
-        token's last character in the text, -1 for special tokens: cross-vocab logit KD pairs
-        positions by them). A token takes the segment of its last character; EOS is appended only
+        token's last character in the plain-prompt text, -1 for special tokens: cross-vocab logit KD
+        and the time alignment pair positions by them). A token takes the segment of its last character; EOS is appended only
         to a finished completion.
     """
     chat = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
-    f = completion_segments(format_prompt(str(record["question"]), template, tokenizer if chat else None),
-                            str(record["answer"]))
+    question = str(record["question"])
+    prompt = format_prompt(question, template, tokenizer if chat else None)
+    f = completion_segments(prompt, str(record["answer"]))
+    if chat:  # char ends in the plain prompt's coordinates, as `tokenize_example` gives them: readers pair by them
+        f = replace(f, shared=shared_chars(prompt, format_prompt(question, template), question, len(f.text)))
     ids, ends, seg = token_segments(tokenizer, f, chat)
+    ends = f.shared_ends(ends)
     ids = torch.tensor(ids, dtype=torch.long)  # [T]
     if record["finished"] and tokenizer.eos_token_id is not None:
         # an empty completion's EOS is still the student's choice, so it is a target too (reasoning)

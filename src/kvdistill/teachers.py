@@ -36,6 +36,7 @@ class Teacher:
     tokenizer: Any
     weight: float = 1.0
     shares_student_tokens: bool = False  # same tokenizer and text as the student: reuse its input_ids
+    same_text: bool = True  # reads the student's very text (no own rationale, no rewrite): positions pair by characters
     logit_kd: str = "off"  # how its logits teach the student (`resolve_logit_kd`): same_vocab | cross_vocab | off
     # the run's head losses are chunked: its logit KD reads its final hidden states through its head (never the
     # [B, T, V] logits); `head` holds that head's (weight [V, d], bias) when the model has no weights (a capture)

@@ -345,6 +345,8 @@ class KVAligner(nn.Module):
             student.attention_mask,
             student.segment_ids,
             self.config["time_mode"],
+            teacher.char_ends,
+            student.char_ends,
         )
 
     def teacher_time_layer(self, x: Tensor, idx: TimeIndex) -> Tensor:

@@ -271,6 +271,7 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True, log: Callable[[
     }
     for t, s in zip(teachers, specs):  # how each teacher's logits teach (resolved at any weight: captures read it)
         same_text = s.rationale_field is None and cfg.student_input == "full" and controls[t.name] != "permuted"
+        t.same_text = same_text
         t.logit_kd, why = resolve_logit_kd(s.logit_kd, t.name, t.shares_student_tokens, same_text)
         t.head_hidden = head_hidden(cfg, t)
         if cfg.logit_kd_weight > 0:

@@ -147,6 +147,7 @@ class KVDistillModel(nn.Module):
                 self.student, input_ids, attention_mask, segment_ids,
                 key_space=self.key_space, queries=self.queries, **head_out,
             )
+            skv.char_ends = char_ends  # teachers that read this text in other tokens pair with it by characters
             hidden = skv.hidden_states
         else:  # no KV term, no cache: this path also works under activation checkpointing (which drops it)
             out = self.student(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **head_out)

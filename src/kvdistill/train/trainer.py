@@ -13,6 +13,7 @@ import logging
 import math
 from collections import defaultdict
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -356,6 +357,10 @@ class KVDistillTrainer(Trainer):
                 logits[t.name] = out_logits
             if t.weight == 0:  # logits only: no aligner reads its KV
                 continue
+            # the student's text in other tokens: the time alignment pairs positions by characters (a capture_keep
+            # capture holds a subset of the positions: those keep the proportional pairing of `align.time`)
+            if perm is None and t.same_text and src is not inputs and kv.seq_len == src["char_ends"].shape[1]:
+                kv = replace(kv, char_ends=src["char_ends"])
             if compress:
                 kv, _ = compress_cache(kv, slots, method=args.teacher_compression, lam=args.compression_lambda,
                                        generator=self._step_generator(device))
