@@ -68,7 +68,7 @@ def _check_file(path: Path) -> None:
 def _supported() -> list[str]:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    return sorted(GGUF_SUPPORTED_ARCHITECTURES)
+    return sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # two are sections, not models
 
 
 def _convert(path: Path, out: Path) -> None:
@@ -83,8 +83,8 @@ def _convert(path: Path, out: Path) -> None:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if "not supported" in first.lower():
             raise GGUFError(f"{path.name}: {first} This transformers reads GGUF for {', '.join(_supported())}; "
-                            "convert the model with its own tools (e.g. llama.cpp's gguf-to-hf) and pass the "
-                            "directory") from err
+                            "pass the model's original checkpoint (a `save_pretrained` directory or Hub id) "
+                            "instead") from err
         raise GGUFError(f"{path.name} could not be read ({first}); the file may be damaged or incomplete: "
                         "copy or download it again") from err
     except (OSError, EOFError, IndexError, KeyError, TypeError) as err:
