@@ -17,6 +17,8 @@ Pairs (random init, saved and loaded like real models; the fixtures' BPE tokeniz
 recipe's per-device batch, of the synthetic GSM8K-style problems, about 100-190 tokens each):
 - tiny: the test fixtures (student Qwen2 2 x 32, teachers Qwen2 4 x 64 and Llama 3 x 96 on another
   tokenizer);
+- real (when `scripts/real_pair.sh` installed it; not in `--quick`): Gemma-3-270m teaching SmolLM2-135M-Instruct,
+  other tokenizers, 18 x 1 x 256 vs 30 x 3 x 64 caches; reported as its own row (`real_pair_ratio`);
 - large: student Qwen2 8 layers x 256 (2 KV heads x 64, 7 M params), teachers Qwen2 12 x 512
   (2 KV heads x 64) and Llama 12 x 512 (4 KV heads x 64), 36-37 M params each, vocab 4096: a step
   takes about half a second on one core.
@@ -48,8 +50,10 @@ from transformers import LlamaConfig, Qwen2Config
 
 from kvdistill.commands.bench import interleaved_times, run_standalone, torch_threads
 from kvdistill.commands.profile import measure
+from kvdistill.gguf import GGUFError
 from kvdistill.losses import token_ce_sum
 from kvdistill.models import load_tokenizer
+from kvdistill.real_pair import STUDENT, TEACHER, real_pair
 from kvdistill.tiny import build_tiny_world, save_random_model
 from kvdistill.train.build import build_trainer
 from kvdistill.train.config import parse_config
@@ -90,6 +94,15 @@ def make_pair(root: Path, tokenizer_dir: Path, sizes: dict[str, tuple]) -> dict[
         torch.manual_seed(i)
         paths[name] = save_random_model(cfg, tok, root / name)
     return paths
+
+
+def real_pair_or_none() -> dict[str, Path] | None:
+    """The real pair's directories, or None where `scripts/real_pair.sh` has not installed it."""
+    try:
+        return real_pair()
+    except GGUFError as err:
+        print(f"bench step: no real-pair row ({err})")
+        return None
 
 
 def bench_case(
@@ -215,7 +228,11 @@ def run(quick: bool = False) -> dict[str, Any]:
                 repeats,
             ),
         ]
-    ratio = max(r["ratio"] for r in rows[1:])  # the stricter of the realistic rows
+        real = None if quick else real_pair_or_none()
+        if real is not None:  # the real pretrained pair's shapes (scripts/real_pair.sh); its own row
+            rows.append(bench_case("real pair: Gemma-3-270m -> SmolLM2-135M", real[STUDENT], [real[TEACHER]],
+                                   world.data_dir, root / "run_real", device, warmup, repeats))
+    ratio = max(r["ratio"] for r in rows[1:3])  # the stricter of the two synthetic realistic rows
     return {
         "name": "step",
         "title": "Distillation step vs its floor (teacher forwards + student CE step)",
@@ -232,6 +249,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "passed": ratio <= TARGET,
         "over_floor": ratio,
         "tiny_ratio": rows[0]["ratio"],
+        "real_pair_ratio": rows[3]["ratio"] if len(rows) > 3 else None,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "device": device.type,
         "torch_threads": 1,
