@@ -1,4 +1,4 @@
-"""Linear CKA: textbook facts, streaming == one-shot, unbiased HSIC, top-k and monotonic maps."""
+"""Linear CKA: textbook facts, streaming == one-shot, unbiased HSIC, outliers, top-k and monotonic maps."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from kvdistill.align.cka import (
     StreamingCKA,
     center_gram,
     cka_matrix,
+    drop_first_tokens,
     gram,
     hsic_matrix,
     linear_cka,
@@ -299,3 +300,77 @@ def test_monotonic_keeps_an_already_monotone_top_k():
 def test_topk_rejects_bad_k():
     with pytest.raises(ValueError, match="1 <= k"):
         topk_layer_map(torch.rand(2, 3), k=4)
+
+
+# --------------------------------------------------------------------------- outliers (real LMs)
+
+
+def _layered_pair(B=6, T=20, L=4, r=6, seed=0):
+    """Student `[L, B, T, 16]` and teacher `[L, B, T, 24]` where layer l of both is a random linear image
+    of the same latent `Z_l` (independent across l) plus noise: the true map is the identity."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(L, B, T, r, generator=g)  # [L, B, T, r]
+    xs = z @ torch.randn(L, r, 16, generator=g)[:, None] + 0.1 * torch.randn(L, B, T, 16, generator=g)
+    xt = z @ torch.randn(L, r, 24, generator=g)[:, None] + 0.1 * torch.randn(L, B, T, 24, generator=g)
+    return xs, xt  # [L, B, T, d_s], [L, B, T, d_t]
+
+
+def _map(xs, xt, mask, **kw):
+    acc = StreamingCKA(minibatch_size=None, standardize=kw.pop("standardize", False))
+    acc.update(pool_features(xs, mask), pool_features(xt, mask))
+    S = acc.compute()
+    return S, topk_layer_map(S, k=1)
+
+
+def test_planted_massive_first_token_makes_the_map_degenerate_and_dropping_it_recovers_the_diagonal():
+    xs, xt = _layered_pair()
+    L, B, T = xs.shape[:3]
+    mask = torch.ones(B, T, dtype=torch.long)
+    S, M = _map(xs, xt, mask)
+    assert torch.equal(M, torch.eye(L)) and S.diag().min() > 0.6  # the clean pair: the diagonal
+    # an attention sink: the first token of every sample carries one huge vector, in every layer
+    xs[:, :, 0] += 1000.0 * torch.randn(16)
+    xt[:, :, 0] += 1000.0 * torch.randn(24)
+    S, _ = _map(xs, xt, mask)
+    assert S.min() > 0.99  # every pair "identical": the map says nothing
+    S, M = _map(xs, xt, drop_first_tokens(mask, 1))
+    assert torch.equal(M, torch.eye(L)) and S.diag().min() > 0.6
+    assert (S - S.diag().diag()).max() < 0.2
+
+
+def test_planted_massive_channel_makes_the_map_degenerate_and_standardizing_recovers_the_diagonal():
+    xs, xt = _layered_pair()
+    L, B, T = xs.shape[:3]
+    mask = torch.ones(B, T, dtype=torch.long)
+    shared = torch.randn(B, T)  # one channel per model carries the same large signal in every layer
+    xs[..., 0] += 300.0 * shared
+    xt[..., 0] += 300.0 * shared
+    S, _ = _map(xs, xt, mask)
+    assert S.min() > 0.99
+    S, M = _map(xs, xt, mask, standardize=True)
+    assert torch.equal(M, torch.eye(L))
+    assert S.diag().min() > (S - S.diag().diag()).max() + 0.3
+
+
+@pytest.mark.parametrize("debiased", DEBIASED)
+def test_standardized_cka_is_invariant_to_channel_scales(debiased):
+    x, y = torch.randn(2, 50, 8), torch.randn(3, 50, 6)
+    x[..., :4] += y[:2, :, :4]  # some similarity to preserve
+    scale = torch.rand(8) * 100 + 0.01  # [d] per-channel scale
+    plain = cka_matrix(x, y, debiased=debiased)
+    assert not torch.allclose(cka_matrix(x * scale, y, debiased=debiased), plain, atol=1e-3)
+    std = cka_matrix(x, y, debiased=debiased, standardize=True)
+    torch.testing.assert_close(cka_matrix(x * scale + 7.0, y, debiased=debiased, standardize=True), std)
+    # a constant channel stays out (no division by zero); the streaming accumulator agrees
+    x[..., 0] = 3.0
+    acc = StreamingCKA(minibatch_size=None, debiased=debiased, standardize=True)
+    acc.update(x, y)
+    torch.testing.assert_close(acc.compute(), cka_matrix(x[..., 1:], y, debiased=debiased, standardize=True))
+
+
+def test_drop_first_tokens_counts_valid_tokens_on_either_padding_side():
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    left = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    assert drop_first_tokens(right, 1).tolist() == [[False, True, True, False], [False, True, True, True]]
+    assert drop_first_tokens(left, 2).tolist() == [[False, False, False, True], [False, False, True, True]]
+    assert torch.equal(drop_first_tokens(right, 0), right.bool())

@@ -10,6 +10,7 @@ import torch
 
 from kvdistill.align.layer_map import LAYER_MAP_FORMAT, load_layer_map
 from kvdistill.commands.layer_map import (
+    LayerMapConfig,
     compute_layer_map,
     layer_similarity,
     main,
@@ -17,6 +18,7 @@ from kvdistill.commands.layer_map import (
     sample_records,
     write_layer_map,
 )
+from kvdistill.config import ConfigError
 from kvdistill.data import load_records
 from kvdistill.models import config_hash, load_model, load_tokenizer
 from kvdistill.plots import plot_cka_heatmap
@@ -41,7 +43,7 @@ def _quiet_truncation():
         yield
 
 
-@pytest.mark.parametrize("representation", ["hidden", "keys", "values"])
+@pytest.mark.parametrize("representation", ["kv", "hidden", "keys", "values"])
 def test_model_paired_with_itself_gives_the_identity_map(world, representation):
     _, load, records = world
     model, tok = load["qwen2_teacher"]
@@ -62,6 +64,28 @@ def test_padding_does_not_change_the_similarity(world):
         three, c3 = layer_similarity(s, t, s_tok, t_tok, records, batch_size=3, **kw)
         torch.testing.assert_close(one, three, atol=1e-5, rtol=0)
         assert c1["rows"] == c3["rows"] == (c1["rows"] if pooling == "tokens" else len(records))
+
+
+def test_skip_tokens_leaves_each_samples_first_tokens_out(world):
+    _, load, records = world
+    (s, s_tok), (t, t_tok) = load["student"], load["llama_teacher_alt_tok"]
+    kw = {"pooling": "tokens", "minibatch_size": None, **SMALL}
+    rows = {n: layer_similarity(s, s, s_tok, s_tok, records, skip_tokens=n, **kw)[1]["rows"] for n in (0, 2)}
+    assert rows[0] - rows[2] == 2 * len(records)  # one tokenizer: exactly the first two tokens per sample
+    # another tokenizer: a student token is also left out when it reads the teacher's first tokens
+    other = {n: layer_similarity(s, t, s_tok, t_tok, records, skip_tokens=n, **kw)[1]["rows"] for n in (0, 2)}
+    assert other[0] - other[2] >= 2 * len(records)
+    # kv is the mean of the keys' and the values' CKA
+    sims = {r: layer_similarity(s, t, s_tok, t_tok, records, representation=r, **kw)[0] for r in ("kv", "keys", "values")}
+    torch.testing.assert_close(sims["kv"], (sims["keys"] + sims["values"]) / 2)
+
+
+def test_config_rejects_a_bad_skip_tokens():
+    base = {"student": "s", "teacher": ["t"], "output_file": "m.json", "max_length": 64}
+    assert LayerMapConfig(**base).skip_tokens == 1 and LayerMapConfig(**base).representation == "kv"
+    for bad in (-1, 64):
+        with pytest.raises(ConfigError, match="skip_tokens"):
+            LayerMapConfig(**base, skip_tokens=bad)
 
 
 def test_other_tokenizer_is_aligned_to_student_tokens(world):
@@ -137,7 +161,7 @@ def test_command_end_to_end_two_teachers(tiny_world, tmp_path, capsys):
         "--teacher", str(m["qwen2_teacher"]), str(m["llama_teacher_alt_tok"]),
         "--data", str(tiny_world.data_dir), "--samples", "6", "--top-k", "2", "--batch-size", "3",
         "--max-length", "64", "--debiased", "--monotonic", "--temperature", "0.1", "--dtype", "fp32",
-        "--cka-dtype", "float32",
+        "--cka-dtype", "float32", "--representation", "hidden", "--skip-tokens", "2", "--standardize",
         "--out", str(out), "--no-progress", "--device", "cpu",
     ]  # fmt: skip
     assert main(argv) == 0
@@ -151,4 +175,5 @@ def test_command_end_to_end_two_teachers(tiny_world, tmp_path, capsys):
         prov = json.loads(path.read_text())["provenance"]
         assert prov["teacher"] == str(m[name]) and prov["debiased"] and prov["monotonic"]
         assert prov["cka_dtype"] == "float32"
+        assert (prov["representation"], prov["skip_tokens"], prov["standardize"]) == ("hidden", 2, True)
     assert "llama_teacher_alt_tok" in capsys.readouterr().out

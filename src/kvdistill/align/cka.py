@@ -22,6 +22,13 @@ over cache-sized column chunks (no float64 copy of the Grams). With `debiased=Tr
 unbiased HSIC estimator (Song et al. 2012), so the average is an unbiased estimate of the
 population HSIC whatever `n_b` is; the biased (plain) estimator carries an `O(1/n_b)` bias.
 
+**Outliers.** Pretrained LMs carry massive activations: the first token (BOS / attention sink) and a
+few residual channels hold nearly all of a hidden state's variance (SmolLM2-135M: the first token
+98 % of the centred variance from layer 12 on, three channels 99 %), so linear CKA of hidden states
+measures where the spike is, not what the layers compute (docs/real_pair_layer_map.md).
+`drop_first_tokens` takes the first tokens out of the rows; `standardize=True` gives every channel
+unit variance per minibatch (CKA of correlations: invariant to per-channel scale).
+
 `StreamingCKA` buffers incoming rows and cuts them into minibatches of exactly `minibatch_size`
 rows, so its result does not depend on how the data was chunked into `update` calls; with
 `minibatch_size >= n` it equals the one-shot full-batch CKA (`cka_matrix`).
@@ -52,8 +59,8 @@ _MAX_MONOTONIC_STATES = 1 << 22
 # --------------------------------------------------------------------------- Gram statistics
 
 
-def gram(x: Tensor, *, dtype: torch.dtype = torch.float64) -> Tensor:
-    """Linear-kernel Gram matrices of column-centred features.
+def gram(x: Tensor, *, dtype: torch.dtype = torch.float64, standardize: bool = False) -> Tensor:
+    """Linear-kernel Gram matrices of column-centred (optionally standardised) features.
 
     Centring the features first keeps large shared offsets out of the Gram, so `dtype=float32`
     stays accurate; HSIC is translation invariant, so the result is unchanged. The mean is taken
@@ -65,6 +72,8 @@ def gram(x: Tensor, *, dtype: torch.dtype = torch.float64) -> Tensor:
     Args:
         x: `[..., n, d]` features (any dtype; upcast).
         dtype: computation dtype.
+        standardize: scale every centred column to unit norm (a constant one stays 0), so no
+            channel outweighs another; CKA is scale-free, so unit norm is unit variance.
 
     Returns:
         `[..., n, n]` Gram matrices `Xc Xcᵀ`.
@@ -76,6 +85,9 @@ def gram(x: Tensor, *, dtype: torch.dtype = torch.float64) -> Tensor:
         xc = xs[i].to(dtype)  # [n, d]
         xc = xc - xc.mean(dim=0)
         xc -= xc.mean(dim=0)  # the residual: the first mean's rounding error, |offset| * eps
+        if standardize:  # unit-norm columns; one that is only rounding noise of a constant stays 0
+            nrm = xc.norm(dim=0)  # [d]
+            xc *= torch.where(nrm > 100 * torch.finfo(dtype).eps * nrm.max(), 1 / nrm, 0.0)  # [n, d]
         torch.mm(xc, xc.T, out=out[i])
     return out.view(*x.shape[:-2], n, n)
 
@@ -149,13 +161,16 @@ def _self_hsic(kc: Tensor, debiased: bool) -> Tensor:
     return total / _hsic_norm(kc.shape[-1], debiased)
 
 
-def _hsic_stats(x: Tensor, y: Tensor, debiased: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def _hsic_stats(
+    x: Tensor, y: Tensor, debiased: bool, dtype: torch.dtype, standardize: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     """`(HSIC(X, Y) [L_x, L_y], HSIC(X, X) [L_x], HSIC(Y, Y) [L_y])` of features `[L, n, d]`, float64.
 
     One Gram matmul per layer; the plain estimator uses the Grams of centred features as they are
     (already double-centred), the debiased one U-centres them.
     """
-    kx, ky = gram(x, dtype=dtype), gram(y, dtype=dtype)  # [L_x, n, n], [L_y, n, n]
+    kx = gram(x, dtype=dtype, standardize=standardize)  # [L_x, n, n]
+    ky = gram(y, dtype=dtype, standardize=standardize)  # [L_y, n, n]
     if debiased:
         kx, ky = center_gram(kx, debiased=True), center_gram(ky, debiased=True)
     return hsic_matrix(kx, ky, debiased=debiased), _self_hsic(kx, debiased), _self_hsic(ky, debiased)
@@ -167,7 +182,10 @@ def _cka_from_sums(hsic_xy: Tensor, hsic_xx: Tensor, hsic_yy: Tensor) -> Tensor:
     return torch.where(denom > 0, hsic_xy / denom.clamp_min(torch.finfo(denom.dtype).tiny), 0.0)
 
 
-def cka_matrix(x: Tensor, y: Tensor, *, debiased: bool = False, dtype: torch.dtype = torch.float64) -> Tensor:
+def cka_matrix(
+    x: Tensor, y: Tensor, *, debiased: bool = False, dtype: torch.dtype = torch.float64,
+    standardize: bool = False,
+) -> Tensor:
     """One-shot linear CKA between every layer of `x` and every layer of `y` on the same rows.
 
     Args:
@@ -175,6 +193,7 @@ def cka_matrix(x: Tensor, y: Tensor, *, debiased: bool = False, dtype: torch.dty
         y: `[L_y, n, d_y]` features of the same rows.
         debiased: use the unbiased HSIC estimator (needs `n >= 4`).
         dtype: Gram computation dtype (HSIC sums always in float64).
+        standardize: unit-variance channels first (see `gram`).
 
     Returns:
         `[L_x, L_y]` CKA similarities (float64).
@@ -183,7 +202,7 @@ def cka_matrix(x: Tensor, y: Tensor, *, debiased: bool = False, dtype: torch.dty
         raise ValueError(
             f"expected x [L_x, n, d_x] and y [L_y, n, d_y]; got {tuple(x.shape)}, {tuple(y.shape)}"
         )
-    return _cka_from_sums(*_hsic_stats(x, y, debiased, dtype))
+    return _cka_from_sums(*_hsic_stats(x, y, debiased, dtype, standardize))
 
 
 def linear_cka(x: Tensor, y: Tensor, *, debiased: bool = False, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -213,10 +232,16 @@ class StreamingCKA:
             (only for small data, e.g. mean-pooled samples).
         debiased: unbiased HSIC estimator per minibatch.
         dtype: Gram computation dtype (float64 default; float32 halves memory and time).
+        standardize: unit-variance channels per minibatch (see `gram`).
     """
 
     def __init__(
-        self, minibatch_size: int | None = 1024, *, debiased: bool = False, dtype: torch.dtype = torch.float64
+        self,
+        minibatch_size: int | None = 1024,
+        *,
+        debiased: bool = False,
+        dtype: torch.dtype = torch.float64,
+        standardize: bool = False,
     ):
         min_rows = 4 if debiased else 2
         if minibatch_size is not None and minibatch_size < min_rows:
@@ -226,6 +251,7 @@ class StreamingCKA:
         self.minibatch_size = minibatch_size
         self.debiased = debiased
         self.dtype = dtype
+        self.standardize = standardize
         self.min_rows = min_rows
         self.reset()
 
@@ -241,7 +267,7 @@ class StreamingCKA:
 
     def _minibatch_stats(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         n = x.shape[1]
-        xy, xx, yy = _hsic_stats(x, y, self.debiased, self.dtype)  # [L_x, L_y], [L_x], [L_y]
+        xy, xx, yy = _hsic_stats(x, y, self.debiased, self.dtype, self.standardize)  # [L_x, L_y] [L_x] [L_y]
         return n * xy, n * xx, n * yy
 
     def _add(self, x: Tensor, y: Tensor) -> None:
@@ -339,6 +365,16 @@ def pool_features(h: Tensor, mask: Tensor, pooling: Pooling = "tokens") -> Tenso
         total = torch.einsum("lbtd,bt->lbd", h.to(torch.float32), w)  # [L, B, d]
         return total / w.sum(dim=1).clamp_min(1.0)[None, :, None]
     raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+
+
+def drop_first_tokens(mask: Tensor, n: int) -> Tensor:
+    """`mask [B, T]` without each sample's first `n` valid tokens (bool; any padding side).
+
+    The first token of a real LM is an attention sink with massive activations (and a BOS on one
+    side is paired with a word on the other): as a CKA row it can outweigh all the others.
+    """
+    m = mask.bool()
+    return m & (m.cumsum(dim=1) > n)  # [B, T]
 
 
 # --------------------------------------------------------------------------- top-k maps

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kvdistill.align.cka import POOLINGS, StreamingCKA, pool_features, topk_layer_map
+from kvdistill.align.cka import POOLINGS, StreamingCKA, drop_first_tokens, pool_features, topk_layer_map
 from kvdistill.align.heads import flatten_heads
 from kvdistill.align.layer_map import save_layer_map
 from kvdistill.align.time import resample, time_index
@@ -43,7 +43,10 @@ from kvdistill.data import DEFAULT_TEMPLATE, DistillCollator
 from kvdistill.models import check_length, check_vocab, max_positions, model_device, num_layers
 from kvdistill.runs import resolve_model
 
-REPRESENTATIONS = ("hidden", "keys", "values")
+# what each representation compares; "kv" (the default) is what a KV loss reads: the mean of the keys'
+# and the values' CKA (real LMs' hidden states are ruled by massive activations: docs/real_pair_layer_map.md)
+FEATURES = {"kv": ("keys", "values"), "hidden": ("hidden",), "keys": ("keys",), "values": ("values",)}
+REPRESENTATIONS = tuple(FEATURES)
 
 
 def _model_name(model: nn.Module) -> str:
@@ -53,20 +56,20 @@ def _model_name(model: nn.Module) -> str:
 def layer_features(
     model: nn.Module,
     batch: Mapping[str, Tensor],
-    representation: str = "hidden",
+    representation: str = "kv",
     key_space: str = "post_rope",
-) -> Tensor:
-    """One model's per-layer token features for a batch.
+) -> tuple[Tensor, ...]:
+    """One model's per-layer token features for a batch, one forward pass.
 
     Args:
         model: any HF causal LM (run under no_grad).
         batch: `input_ids`, `attention_mask`, `segment_ids` `[B, T]`.
         representation: "hidden" (each decoder layer's output; the embeddings are dropped),
-            "keys" or "values" (the cache, heads flattened to `H·D`).
+            "keys" or "values" (the cache, heads flattened to `H·D`), "kv" (keys and values).
         key_space: keys "post_rope" (as cached) or "pre_rope".
 
     Returns:
-        `[L, B, T, F]` features, F = d_model or H_kv·D.
+        one `[L, B, T, F]` tensor per feature of `FEATURES[representation]`, F = d_model or H_kv·D.
     """
     if representation not in REPRESENTATIONS:
         raise ValueError(f"representation must be one of {REPRESENTATIONS}, got {representation!r}")
@@ -79,9 +82,12 @@ def layer_features(
         key_space=key_space,
         output_hidden_states=representation == "hidden",
     )
-    if representation == "hidden":
-        return kv.hidden_states[1:]  # [L, B, T, d]: drop the embeddings, one per decoder layer
-    return flatten_heads(kv.keys if representation == "keys" else kv.values)  # [L, B, T, H·D]
+    feats = {
+        "hidden": lambda: kv.hidden_states[1:],  # [L, B, T, d]: drop the embeddings, one per decoder layer
+        "keys": lambda: flatten_heads(kv.keys),  # [L, B, T, H·D]
+        "values": lambda: flatten_heads(kv.values),  # [L, B, T, H·D]
+    }
+    return tuple(feats[f]() for f in FEATURES[representation])
 
 
 @torch.no_grad()
@@ -92,9 +98,11 @@ def layer_similarity(
     teacher_tok: Any,
     records: Sequence[Mapping[str, Any]],
     *,
-    representation: str = "hidden",
+    representation: str = "kv",
     pooling: str = "tokens",
     debiased: bool = False,
+    skip_tokens: int = 1,
+    standardize: bool = False,
     batch_size: int = 4,
     max_length: int = 512,
     minibatch_size: int | None = 1024,
@@ -108,6 +116,10 @@ def layer_similarity(
 ) -> tuple[Tensor, dict[str, int]]:
     """CKA similarity `S [L_s, L_t]` between every student and every teacher layer on `records`.
 
+    `S` is the mean over the features of `FEATURES[representation]` (keys and values for "kv").
+    Rows are the student's tokens after its first `skip_tokens`, read where the teacher's source is
+    past its own first `skip_tokens` (mean pooling: each model drops its own first tokens).
+
     Returns:
         (`S` float64 on CPU, counts `{"samples", "rows", "minibatches"}`).
     """
@@ -119,7 +131,8 @@ def layer_similarity(
         raise ValueError("layer_similarity needs at least one record")
     s_collate = DistillCollator(student_tok, max_length, template, use_chat_template)
     t_collate = DistillCollator(teacher_tok, max_length, template, use_chat_template)
-    acc = StreamingCKA(minibatch_size, debiased=debiased, dtype=cka_dtype)
+    accs = [StreamingCKA(minibatch_size, debiased=debiased, dtype=cka_dtype, standardize=standardize)
+            for _ in FEATURES[representation]]
     device = model_device(student_model)
     modes = [(m, m.training) for m in (student_model, teacher_model)]
     for m, _ in modes:
@@ -129,29 +142,35 @@ def layer_similarity(
         for i in tqdm(starts, desc=desc, unit="batch", disable=None if progress is None else not progress):
             chunk = list(records[i : i + batch_size])
             sb, tb = s_collate(chunk), t_collate(chunk)  # [B, T_s], [B, T_t]
-            fs = layer_features(student_model, sb, representation, key_space)  # [L_s, B, T_s, F_s]
-            ft = layer_features(teacher_model, tb, representation, key_space).to(device)  # [L_t, B, T_t, F_t]
+            fs = layer_features(student_model, sb, representation, key_space)  # ([L_s, B, T_s, F_s], ...)
+            ft = layer_features(teacher_model, tb, representation, key_space)  # ([L_t, B, T_t, F_t], ...)
+            ft = [f.to(device) for f in ft]
             s_mask = sb["attention_mask"].to(device)
             t_mask = tb["attention_mask"].to(device)
+            s_keep = drop_first_tokens(s_mask, skip_tokens)  # [B, T_s]
+            t_keep = drop_first_tokens(t_mask, skip_tokens)  # [B, T_t]
             if pooling == "mean":  # each model averages its own tokens: no time alignment needed
-                acc.update(pool_features(fs, s_mask, "mean"), pool_features(ft, t_mask, "mean"))
+                for acc, xs, xt in zip(accs, fs, ft):
+                    acc.update(pool_features(xs, s_keep, "mean"), pool_features(xt, t_keep, "mean"))
                 continue
             same_tokens = sb["input_ids"].shape == tb["input_ids"].shape and torch.equal(
                 sb["input_ids"], tb["input_ids"]
             )
-            mask = s_mask.bool()
+            mask = s_keep
             if not same_tokens:  # the teacher read at the student's tokens (segment-aware lerp)
                 idx = time_index(
                     t_mask, tb["segment_ids"].to(device), s_mask, sb["segment_ids"].to(device), mode=time_mode
                 )
-                ft = resample(ft, idx, time_dim=2, batch_dim=1)  # [L_t, B, T_s, F_t]
-                mask = mask & idx.valid
-            acc.update(pool_features(fs, mask, "tokens"), pool_features(ft, mask, "tokens"))
-        similarity = acc.compute().cpu()
+                ft = [resample(xt, idx, time_dim=2, batch_dim=1) for xt in ft]  # [L_t, B, T_s, F_t]
+                # a kept left neighbour implies a kept right one (hi >= lo): no lerp reads a skipped token
+                mask = mask & idx.valid & t_keep.gather(1, idx.lo)  # [B, T_s]
+            for acc, xs, xt in zip(accs, fs, ft):
+                acc.update(pool_features(xs, mask, "tokens"), pool_features(xt, mask, "tokens"))
+        similarity = (sum(acc.compute() for acc in accs) / len(accs)).cpu()  # [L_s, L_t]
     finally:
         for m, was_training in modes:
             m.train(was_training)
-    return similarity, {"samples": len(records), "rows": acc.num_rows, "minibatches": acc.num_minibatches}
+    return similarity, {"samples": len(records), "rows": accs[0].num_rows, "minibatches": accs[0].num_minibatches}
 
 
 def compute_layer_map(
@@ -164,9 +183,11 @@ def compute_layer_map(
     k: int = 2,
     temperature: float | None = None,
     monotonic: bool = False,
-    representation: str = "hidden",
+    representation: str = "kv",
     pooling: str = "tokens",
     debiased: bool = False,
+    skip_tokens: int = 1,
+    standardize: bool = False,
     batch_size: int = 4,
     max_length: int = 512,
     minibatch_size: int | None = 1024,
@@ -186,9 +207,11 @@ def compute_layer_map(
         student_tok, teacher_tok: their (fast) tokenizers; they may differ.
         records: `{"question", "answer"}` dicts; all are used.
         k, temperature, monotonic: top-k selection (see `align.cka.topk_layer_map`).
-        representation: "hidden" | "keys" | "values".
+        representation: "kv" (mean of the keys' and the values' CKA) | "hidden" | "keys" | "values".
         pooling: "tokens" (every valid token is a CKA row) | "mean" (one row per sample).
         debiased: unbiased HSIC estimator per minibatch.
+        skip_tokens: each sample's first tokens left out (attention sinks with massive activations).
+        standardize: unit-variance channels per minibatch (outlier channels do not dominate).
         batch_size: samples per forward pass.
         max_length: tokens per example.
         minibatch_size: CKA rows per minibatch (memory: a `[L, n, n]` float64 Gram per model).
@@ -212,14 +235,16 @@ def compute_layer_map(
 
     S, counts = layer_similarity(
         student_model, teacher_model, student_tok, teacher_tok, records,
-        representation=representation, pooling=pooling, debiased=debiased, batch_size=batch_size,
+        representation=representation, pooling=pooling, debiased=debiased, skip_tokens=skip_tokens,
+        standardize=standardize, batch_size=batch_size,
         max_length=max_length, minibatch_size=minibatch_size, time_mode=time_mode, key_space=key_space,
         template=template, use_chat_template=use_chat_template, cka_dtype=cka_dtype, progress=progress,
         desc=f"layer-map {Path(_model_name(teacher_model).rstrip('/')).name or 'teacher'}",
     )  # fmt: skip
     M = topk_layer_map(S, k, temperature=temperature, monotonic=monotonic)
     prov = {
-        "method": "linear CKA, minibatch HSIC" + (" (debiased)" if debiased else ""),
+        "method": "linear CKA, minibatch HSIC" + (" (debiased)" if debiased else "")
+        + (", standardized channels" if standardize else ""),
         "student": _model_name(student_model),
         "teacher": _model_name(teacher_model),
         "student_config_hash": config_hash(student_model),
@@ -234,6 +259,8 @@ def compute_layer_map(
         "key_space": key_space if representation == "keys" else None,
         "pooling": pooling,
         "debiased": debiased,
+        "skip_tokens": skip_tokens,
+        "standardize": standardize,
         "minibatch_size": minibatch_size,
         "cka_dtype": str(cka_dtype).replace("torch.", ""),
         "time_mode": time_mode,
@@ -312,10 +339,15 @@ class LayerMapConfig:
     top_k: int = option(2, "Teacher layers per student layer.")
     output_file: str | None = option(None, "Output layer-map JSON path (the heatmap goes next to it as .png). "
                                     "Required.", aliases=["--out"])
-    representation: str = option("hidden", f"What to compare: {REPRESENTATIONS} (layer outputs, or flattened "
-                                 "cache keys / values).")
+    representation: str = option("kv", f"What to compare: {REPRESENTATIONS}. kv: the mean of the flattened cache "
+                                 "keys' and values' CKA (what a KV loss reads); hidden: layer outputs (dominated by "
+                                 "massive activations in real LMs); keys or values alone.")
     pooling: str = option("tokens", f"CKA rows {POOLINGS}: every valid token, or the mean per sample.")
     debiased: bool = option(False, "Unbiased HSIC estimator per minibatch (recommended with small minibatches).")
+    skip_tokens: int = option(1, "Leave each sample's first N tokens out of the CKA (the first token is an "
+                              "attention sink with massive activations, and a BOS on one side only); 0: all tokens.")
+    standardize: bool = option(False, "Unit-variance channels per minibatch, so a few massive channels do not "
+                               "dominate (use with --representation hidden).")
     monotonic: bool = option(False, "A deeper student layer never maps to a shallower teacher layer.")
     temperature: float | None = option(None, "Softmax temperature for the top-k weights (default: plain "
                                        "normalisation).")
@@ -339,6 +371,8 @@ class LayerMapConfig:
             raise ConfigError("pass --student, --teacher (one or more) and --output_file map.json")
         if self.samples < 1 or self.top_k < 1 or self.batch_size < 1:
             raise ConfigError("--samples, --top_k and --batch_size must be >= 1")
+        if self.skip_tokens < 0 or self.skip_tokens >= self.max_length:
+            raise ConfigError(f"--skip_tokens must be in [0, --max_length {self.max_length}), got {self.skip_tokens}")
         for name, allowed in (("representation", REPRESENTATIONS), ("pooling", POOLINGS),
                               ("cka_dtype", ("float64", "float32")), ("time_mode", ("segment", "global")),
                               ("key_space", ("post_rope", "pre_rope")), ("quantization", (None, "4bit", "8bit"))):
@@ -377,7 +411,8 @@ def main(argv: list[str]) -> int:
         result = compute_layer_map(
             student, teacher, s_tok, t_tok, records,
             k=a.top_k, temperature=a.temperature, monotonic=a.monotonic, representation=a.representation,
-            pooling=a.pooling, debiased=a.debiased, batch_size=a.batch_size, max_length=a.max_length,
+            pooling=a.pooling, debiased=a.debiased, skip_tokens=a.skip_tokens, standardize=a.standardize,
+            batch_size=a.batch_size, max_length=a.max_length,
             minibatch_size=a.minibatch_size, time_mode=a.time_mode, key_space=a.key_space,
             template=a.template, use_chat_template=a.chat_template, seed=a.seed,
             cka_dtype=getattr(torch, a.cka_dtype),
