@@ -102,9 +102,23 @@ def test_card_dir_loads_with_auto_classes_and_a_pipeline(saved_run):
     assert out[0]["generated_text"].startswith("Question: Tom has 3 apples.\nAnswer:")
 
 
-def test_kvdistill_eval_records_its_result_in_the_card(saved_run, tiny_world, tmp_path):
-    argv = ["--model", str(saved_run), "--data", str(tiny_world.data_dir), "--limit", "4", "--batch_size", "4",
-            "--max_new_tokens", "8", "--no_progress", "--output_dir", str(tmp_path / "eval")]
+def _eval_argv(model, tiny_world, out) -> list[str]:
+    return ["--model", str(model), "--data", str(tiny_world.data_dir), "--limit", "4", "--batch_size", "4",
+            "--max_new_tokens", "8", "--no_progress", "--output_dir", str(out)]
+
+
+def test_kvdistill_eval_leaves_the_evaluated_model_dir_untouched(saved_run, tiny_world, tmp_path):
+    """Evaluating changes nothing of what it evaluates, a run's checkpoint included: the result goes to
+    --output_dir; the card gets it only with --update_card."""
+    before = {p: p.read_bytes() for p in saved_run.rglob("*") if p.is_file()}
+    for model in (saved_run, saved_run / "checkpoint-2"):
+        assert eval_main(_eval_argv(model, tiny_world, tmp_path / model.name)) == 0
+        assert (tmp_path / model.name / "summary.json").is_file()
+    assert {p: p.read_bytes() for p in saved_run.rglob("*") if p.is_file()} == before
+
+
+def test_kvdistill_eval_records_its_result_in_the_card_when_asked(saved_run, tiny_world, tmp_path):
+    argv = [*_eval_argv(saved_run, tiny_world, tmp_path / "eval"), "--update_card"]
     assert eval_main(argv) == 0
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     (entry,) = read_card_info(saved_run)["evaluations"]

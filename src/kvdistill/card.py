@@ -2,12 +2,12 @@
 
 The card's YAML metadata holds everything its text shows, under `kvdistill:` — base model, teachers
 with their config hashes, the recipe (signals, weights, alignment, layer maps), data, steps and
-evaluations — so `kvdistill eval` can add a result and re-render the card from the card alone. The
-Hub's `model-index` (`eval_results`) is derived from the evaluations.
+evaluations — so `kvdistill eval --update_card` can add a result and re-render the card from the card
+alone. The Hub's `model-index` (`eval_results`) is derived from the evaluations.
 
 Example:
     >>> write_card("runs/student", cfg.to_yaml_dict(), teacher_set.manifest(), card_sections(), step=1000)
-    >>> record_evaluation("runs/student", result)  # `kvdistill eval` does this with its result
+    >>> record_evaluation("runs/student", result)  # `kvdistill eval --update_card` does this with its result
 """
 
 from __future__ import annotations

@@ -60,13 +60,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever `sys.stderr` is when a line is written (not when it was made): in-process callers
+    (tests, notebooks) swap the stream, and a handler bound to an old one would write to a closed file."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def console_logging() -> None:
     """kvdistill's own INFO lines (which prompt each teacher reads, its logit-KD mode, a conversion...) on
     stderr, once: from the main process only under `accelerate launch` (other ranks say warnings)."""
     log = logging.getLogger("kvdistill")
     if log.handlers:
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(logging.Formatter("kvdistill: %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)

@@ -252,7 +252,11 @@ def check_output_dir(path: str | Path, option: str = "output_dir") -> Path:
 
 
 def to_plain(value: Any) -> Any:
-    """A YAML/CLI value that may be a string holding YAML (`"{a: 1}"`, `"[x, y]"`) -> plain data."""
+    """A YAML/CLI value that may be a string holding YAML (`"{a: 1}"`, `"[x, y]"`) -> plain data. `null`,
+    `~` and `none` are None on the command line as in a YAML file (`--teachers null`: no teachers), not
+    a name to look up."""
+    if isinstance(value, str) and value.strip().lower() in ("null", "~", "none"):
+        return None
     if isinstance(value, str) and value.strip()[:1] in "{[":
         return yaml.safe_load(value)
     return value

@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PretrainedConfig,
@@ -100,6 +101,21 @@ def model_dir(name_or_path: str | os.PathLike) -> str:
     return str(gguf_to_hf(name_or_path)) if is_gguf(name_or_path) else str(name_or_path)
 
 
+def sliding_window(name_or_path: str | os.PathLike) -> int | None:
+    """The sliding window of a local model's attention layers, from its config.json as transformers reads it
+    (`layer_types`, Qwen2's `use_sliding_window`, ...); None when no layer slides, for a Hub id, or for a
+    config transformers cannot read (loading the model says why)."""
+    path = Path(model_dir(name_or_path))
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        config = AutoConfig.from_pretrained(path).get_text_config()
+    except (OSError, ValueError):
+        return None
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    return window if window and (types is None or "sliding_attention" in types) else None
+
+
 def _source_kwargs(name_or_path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     """Decide local dir vs Hub id; for a Hub id out of reach, only the local HF cache is tried."""
     name = model_dir(name_or_path)
@@ -134,6 +150,16 @@ def _load_error(kind: str, name: str, err: Exception) -> ModelLoadError:
         "tokenizer and the weights; for a Hub id without network, download it elsewhere (`huggingface-cli "
         "download ID --local-dir DIR`) and pass DIR (HF_HUB_OFFLINE=1 skips network retries)"
     )
+
+
+def _foreign_weights(name: str, what: str) -> ModelLoadError:
+    """The weights of `name` do not fit its config.json (e.g. another model's config.json copied beside them)."""
+    local = Path(name) / "config.json"
+    config = json.loads(local.read_text()) if local.is_file() else {}
+    arch = f" ({config.get('model_type')}, {config.get('num_hidden_layers')} layers)" if config else ""
+    return ModelLoadError(f"could not load model {name!r}: its weights belong to another architecture than its "
+                          f"config.json describes{arch}: {what} (transformers' load report above lists them); put "
+                          "the config.json saved with these weights beside them")
 
 
 def _saved_class(path: str) -> str | None:
@@ -185,9 +211,17 @@ def load_model(
         extra["quantization_config"] = _bnb_config(quantization, torch_dtype)
         extra["device_map"] = {"": device or (0 if torch.cuda.is_available() else "cpu")}
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **extra, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, output_loading_info=True, **extra,
+                                                           **kwargs)
+    except RuntimeError as err:  # transformers' load report found tensors of other shapes than the config makes
+        if "ignore_mismatched_sizes" not in str(err):
+            raise
+        raise _foreign_weights(name, "their tensors have other shapes than that model's") from None
     except (OSError, ValueError, *_DAMAGED) as err:
         raise _load_error("model", name, err) from err
+    if info["missing_keys"] and info["unexpected_keys"]:  # other names: the config's model would be random-init
+        raise _foreign_weights(name, f"{len(info['missing_keys'])} of that model's tensors are missing from them and "
+                               f"{len(info['unexpected_keys'])} of theirs are not that model's")
     if device is not None and quantization is None:
         model.to(device)
     return model

@@ -1,4 +1,4 @@
-"""`kvdistill ablate`, `demo`, `profile` and `gen-data` refuse bad input in one line.
+"""`kvdistill ablate`, `demo`, `profile`, `dry-run` and `gen-data` refuse bad input in one line.
 
 Each case: `pytest.param(argv builder, substrings of the error line, id=...)`.
 """
@@ -70,6 +70,22 @@ PROFILE = [
                  id="profile_device_without_cuda", marks=NO_CUDA),
 ]
 
+def dry_run(c, **overrides) -> list:
+    """`kvdistill dry-run` args: the world's student and teacher, a KV run, its report into `c.out`."""
+    args = {"student": c.world.student, "teachers": f"[{{path: {c.world.teacher}}}]", "kv_weight": 0.1,
+            "output_dir": c.out, **overrides}
+    return ["dry-run", *(x for k, v in args.items() for x in (f"--{k}", v))]
+
+
+TRUNCATED_CONFIG = '{"model_type": "qwen2", "hidden_si'
+DRY_RUN = [
+    pytest.param(lambda c: dry_run(c, teachers=f"[{{path: {c.file('t/config.json', TRUNCATED_CONFIG).parent}}}]"),
+                 ("t/config.json is not a model config transformers can read", "not a valid JSON file",
+                  "copy the model's config.json again"), id="dry_run_teacher_config_not_json"),
+    pytest.param(lambda c: dry_run(c, output_dir=c.file("out", "a file")), ("output_dir", "is a file, not a directory"),
+                 id="dry_run_output_dir_is_a_file"),
+]
+
 GEN_DATA = [
     pytest.param(lambda c: ["gen-data", "--output_dir", c.out, "--max_value", "1"], ("max_value >= 2",),
                  id="gen_data_max_value_1"),
@@ -81,6 +97,6 @@ GEN_DATA = [
 ]
 
 
-@pytest.mark.parametrize("argv, expect", [*ABLATE, *DEMO, *PROFILE, *GEN_DATA])
+@pytest.mark.parametrize("argv, expect", [*ABLATE, *DEMO, *PROFILE, *DRY_RUN, *GEN_DATA])
 def test_command_refuses(argv, expect, refused):
     refused(argv, expect)

@@ -103,3 +103,17 @@ def test_transfer_data_is_named_unread_only_without_a_teacher_signal_and_its_lm_
     with caplog.at_level(logging.WARNING, logger="kvdistill.train.config"):
         KVDistillConfig._check_options_act(cfg)
     assert any("transfer_data gen.jsonl is not read" in r.getMessage() for r in caplog.records) == warned
+
+
+@pytest.mark.parametrize("argv", [pytest.param(lambda c: c.train(max_steps=2, logging_steps=5), marks=SUBPROCESS,
+                                               id="logging_steps_beyond_max_steps")])
+def test_logging_steps_beyond_max_steps_log_the_last_step_and_say_so(argv, children, request):
+    """No step would log (metrics.jsonl empty, every final value null): logging_steps is clamped, in one line."""
+    import json
+
+    rc, _, err, ctx, _, _ = children.result(request.node.nodeid)
+    assert rc == 0, err[-2000:]
+    assert any("logging_steps 5 is more than max_steps 2" in line and "logging every 2 steps instead" in line
+               for line in err.splitlines()), err[-2000:]
+    final = json.loads((ctx.out / "train_summary.json").read_text())["final"]
+    assert final["ce"] is not None, final  # an SFT run: its LM loss logged (no teacher: no KV values)

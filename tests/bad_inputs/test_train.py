@@ -56,6 +56,24 @@ def cka(c, layer_map) -> list:
     return c.train(kv_weight=0.1, layer_map="cka", teachers=c.teachers(c.world.teacher, layer_map=layer_map))
 
 
+def edited(c, which: str, config_from: str | None = None, **changes) -> str:
+    """A model dir of world model `which`: its files linked, its config.json that of `config_from` (another
+    world model) or its own, with `changes` merged in."""
+    src, path = getattr(c.world, which), c.tmp / f"{which}_edited"
+    path.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (path / f.name).symlink_to(f)
+    config = json.loads((getattr(c.world, config_from or which) / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+    return str(path)
+
+
+# the world teacher (Qwen2, 4 layers) with 64-token sliding windows on its first two layers
+WINDOWED = {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0,
+            "layer_types": ["sliding_attention"] * 2 + ["full_attention"] * 2}
+
+
 NO_TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
 
 CONFIG = [
@@ -94,6 +112,14 @@ CONFIG = [
                  id="fp16_on_cpu", marks=NO_CUDA),
     pytest.param(lambda c: c.train(student_input="latent:0"), ("student_input 'latent:0' is not one of", "latent:N"),
                  id="student_input_latent_0"),
+    pytest.param(lambda c: kv(c, lmbda=1, max_new_tokens=8),
+                 ("lmbda 1 puts every step on-policy", "allow_kv_only: true"), id="lmbda_1_without_logit_kd"),
+    pytest.param(lambda c: kv(c, segment_weights="{prompt: -1}"),
+                 ("segment_weights prompt: -1 is not a weight >= 0", "0 leaves it out"), id="segment_weight_negative"),
+    pytest.param(lambda c: kv(c, segment_weights="{promt: 0}"),
+                 ("segment_weights: unknown segment 'promt'", "did you mean 'prompt'"), id="segment_weight_typo"),
+    pytest.param(lambda c: c.train(kv_weight=0.1, teachers="null"), ("need at least one teacher", "kv_weight: 0"),
+                 id="teachers_null_is_no_teacher"),
 ]
 
 TEACHERS = [
@@ -124,6 +150,13 @@ TEACHERS = [
     pytest.param(lambda c: cka(c, layer_map_file(c, "other.json", 2, 4, student_config_hash="0123456789abcdef")),
                  ("other.json was computed for another student model", "--ignore_layer_map_hash"),
                  id="layer_map_of_another_model_pair"),
+    pytest.param(lambda c: kv(c, c.world.student), ("is the student itself", "--allow_self_teacher"),
+                 id="teacher_is_the_student"),
+    pytest.param(lambda c: kv(c, edited(c, "teacher", **WINDOWED)),
+                 ("teacher teacher_edited", "sliding window of 64 tokens", "set max_length <= 63"),
+                 id="max_length_beyond_a_sliding_window"),
+    pytest.param(lambda c: kv(c, c.world.teacher_alt_tok, time_mode="index"),
+                 ("time_mode index", "llama_teacher_alt_tok", "time_mode segment"), id="time_mode_index_two_tokenizers"),
 ]
 
 MODELS = [
@@ -136,6 +169,9 @@ MODELS = [
                                    data=c.data({"question": LONG_QUESTION, "answer": "#### 4"})),
                  ("max_length 2048 is longer than the 512 positions", "set max_length <= 512"),
                  id="sequence_longer_than_the_model"),
+    pytest.param(lambda c: c.train(student=edited(c, "student", config_from="teacher_alt_tok")),
+                 ("student_edited", "belong to another architecture than its config.json"),
+                 id="config_json_of_another_architecture"),
 ]
 
 DATA = [

@@ -193,6 +193,14 @@ def test_a_missing_model_config_names_it_and_the_fix(tmp_path, capsys):
     assert "NoSuchModel-7B" in capsys.readouterr().err
 
 
+def test_an_output_dir_that_is_a_file_is_refused_before_the_tables_are_printed(tmp_path, capsys):
+    (tmp_path / "llama.yaml").write_text(LLAMA_PAIR)
+    (tmp_path / "out").write_text("a file")
+    with pytest.raises(ConfigError, match=r"output_dir .*out is a file, not a directory"):
+        main(["--config", str(tmp_path / "llama.yaml"), "--output_dir", str(tmp_path / "out")])
+    assert capsys.readouterr().out == ""
+
+
 def test_a_local_model_directory_wins_over_the_shipped_config(tmp_path):
     local = tmp_path / "Qwen2-7B"
     local.mkdir()

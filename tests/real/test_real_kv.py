@@ -158,3 +158,17 @@ def test_sliding_window_shorter_than_the_sequence_is_refused_in_one_line(real_mo
           pytest.raises(ValueError, match=rf"keep only their last {T - 1} tokens\); use a max_length of at most {T - 1}$")):
         forward_with_kv(model, ids, mask, queries=True)
     query_modules(model, seq_len=512)  # the real window
+
+
+def test_a_max_length_beyond_the_teachers_sliding_window_is_refused_from_its_config(real_pair):
+    """The cache of Gemma's 512-token sliding layers keeps 511 tokens: max_length 1024 is refused from config.json
+    before any model loads (it failed at step 1, "cache layers hold different lengths"); without a KV signal
+    the teacher's cache is not read."""
+    from kvdistill.train.config import ConfigError, parse_config
+
+    argv = ["--student", real_pair["student"], "--teachers", f"[{{path: {real_pair['teacher']}}}]", "--max_length"]
+    with pytest.raises(ConfigError, match=r"^max_length 1024: teacher \S+ \(.*\) has layers with a sliding window of "
+                                          r"512 tokens, whose KV cache keeps only the last 511; set max_length <= 511$"):
+        parse_config([*argv, "1024", "--kv_weight", "0.1"])
+    assert parse_config([*argv, "511", "--kv_weight", "0.1"]).max_length == 511
+    assert parse_config([*argv, "1024", "--kv_weight", "0", "--logit_kd_weight", "1"]).max_length == 1024

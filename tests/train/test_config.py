@@ -151,3 +151,38 @@ def test_numeric_options_refuse_nan_inf_and_out_of_range_naming_the_option(name,
 def test_a_teacher_option_out_of_range_is_named_with_its_teacher():
     with pytest.raises(ConfigError, match=r"teacher t: weight must be >= 0, got nan"):
         parse_config(["--student", "org/student", "--teachers", "[{path: org/t, weight: .nan}]"])
+
+
+@pytest.mark.parametrize("value", ["null", "none", "~", "[]"])
+def test_teachers_null_on_the_cli_is_no_teacher_as_in_yaml(tiny_world, value):
+    """Not a Hub model named "null": the CLI value reads as YAML `teachers: null` does."""
+    cfg = parse_config(["--student", str(tiny_world.models["student"]), "--kv_weight", "0", "--teachers", value])
+    assert cfg.teacher_configs == []
+
+
+@pytest.mark.parametrize("teacher, allowed", [
+    ("{path: STUDENT}", False), ("{path: STUDENT/}", False),  # the same directory, spelled another way
+    ("{path: STUDENT, control: untrained}", True),  # a random-init copy of its architecture
+    ("{path: STUDENT, rationale_field: rationale}", True),  # the student as a privileged teacher
+])
+def test_the_student_as_its_own_teacher_is_refused_unless_it_reads_otherwise_or_is_allowed(tiny_world, teacher,
+                                                                                           allowed):
+    student = str(tiny_world.models["student"])
+    argv = ["--student", student, "--kv_weight", "0.1", "--teachers", f"[{teacher.replace('STUDENT', student)}]"]
+    if allowed:
+        assert parse_config(argv).teacher_configs
+    else:
+        with pytest.raises(ConfigError, match=r"is the student itself.*--allow_self_teacher true"):
+            parse_config(argv)
+    assert parse_config([*argv, "--allow_self_teacher", "true"]).teacher_configs
+
+
+def test_lmbda_1_without_logit_kd_is_kv_only_and_needs_allow_kv_only(tiny_world):
+    m = tiny_world.models
+    argv = ["--student", str(m["student"]), "--teachers", f"[{{path: {m['qwen2_teacher']}}}]", "--kv_weight", "0.1",
+            "--lmbda", "1"]
+    with pytest.raises(ConfigError, match=r"lmbda 1 puts every step on-policy.*allow_kv_only"):
+        parse_config(argv)
+    assert parse_config([*argv, "--allow_kv_only", "true"]).lmbda == 1
+    assert parse_config([*argv, "--logit_kd_weight", "1"]).lmbda == 1  # GKD: logit KD on the student's samples
+    assert parse_config([*argv[:-1], "0.5"]).lmbda == 0.5  # the other steps keep the LM loss

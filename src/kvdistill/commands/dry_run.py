@@ -63,7 +63,7 @@ from torch import nn
 
 from kvdistill.align.aligner import KVAligner
 from kvdistill.align.layer_map import build_layer_map
-from kvdistill.config import ConfigError
+from kvdistill.config import ConfigError, check_output_dir
 from kvdistill.io import REPO_ROOT, write_json_atomic
 from kvdistill.models import model_dir, num_layers, resolve_dtype
 from kvdistill.report import markdown_table, param_count
@@ -161,7 +161,11 @@ def meta_model(path: str) -> tuple[nn.Module, Path]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     source = model_config_path(path)
-    config = AutoConfig.from_pretrained(str(source.parent))
+    try:
+        config = AutoConfig.from_pretrained(str(source.parent))
+    except (OSError, ValueError) as err:  # not JSON, no or an unknown model_type
+        raise ConfigError(f"{source} is not a model config transformers can read ({str(err).splitlines()[0]}); "
+                          "copy the model's config.json again") from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return model, source
@@ -444,6 +448,8 @@ def format_report(report: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     cfg, planned = parse_dry_run(argv)
     report = dry_run(cfg, planned)
+    if planned["output_dir"]:  # before the tables: a report printed, then a failed write, reads as a success
+        check_output_dir(planned["output_dir"])
     print(format_report(report), end="")
     if planned["output_dir"]:
         path = write_json_atomic(Path(planned["output_dir"]) / "dry_run.json",

@@ -47,6 +47,8 @@ class EvalConfig:
     dtype: str = option("auto", "auto | fp32 | bf16 | fp16.")
     device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda if available).")
     output_dir: str | None = option(None, "Write DIR/items.jsonl and DIR/summary.json.", aliases=["--out"])
+    update_card: bool = option(False, "Also add the result to the evaluated model's card (its README.md, written by "
+                               "kvdistill train); off: evaluating leaves the model dir as it was.")
     no_progress: bool = option(False, "No progress bar.")
 
     def __post_init__(self) -> None:
@@ -144,9 +146,11 @@ def run_eval(
     dtype: str = "auto",
     device: str | None = None,
     log: Callable[[str], None] = print,
+    update_card: bool = False,
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """Load a model (Hub id, model dir or kvdistill run dir) and data, evaluate, write to `out`.
+    """Load a model (Hub id, model dir or kvdistill run dir) and data, evaluate, write to `out` (and, with
+    `update_card`, into the model card of a student kvdistill saved; the model dir is never written otherwise).
 
     `kwargs` go to `evaluate_model` (batch_size, max_new_tokens, template, chat_template, ...);
     the answer NLL is on unless `answer_nll=False`.
@@ -194,8 +198,10 @@ def run_eval(
     if out is not None:
         items_path, summary_path = write_results(result, out)
         log(f"wrote {items_path} and {summary_path}")
-    if (card := record_evaluation(model_dir, result)) is not None:  # a student saved by kvdistill
-        log(f"added the result to the model card {card}")
+    if update_card:
+        card = record_evaluation(model_dir, result)
+        log(f"added the result to the model card {card}" if card else
+            f"--update_card: {model_dir} holds no model card written by kvdistill; left as it was")
     return result
 
 
@@ -206,6 +212,7 @@ def main(argv: list[str]) -> int:
         dtype=cfg.dtype, device=cfg.device, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
         template=cfg.template, chat_template=cfg.chat_template, stop_strings=cfg.stop,
         perplexity=not cfg.no_perplexity, answer_nll=not cfg.no_answer_nll, max_length=cfg.max_length, progress=False if cfg.no_progress else None,
+        update_card=cfg.update_card,
     )
     ppl, nll = result["perplexity"], result["answer_nll"]
     print(

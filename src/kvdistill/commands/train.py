@@ -7,11 +7,12 @@ The wiring (config -> trainer) is `kvdistill.train.build`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
 
-from kvdistill.config import check_output_dir
+from kvdistill.config import UserError, check_output_dir
 from kvdistill.io import read_json, write_json_atomic
 from kvdistill.report import environment
 from kvdistill.runs import METRICS, TRAIN_CONFIG, TRAIN_SUMMARY, check_reuse, checkpoints
@@ -77,8 +78,15 @@ def check_earlier_run(cfg: KVDistillConfig) -> None:
 def main(argv: list[str]) -> int:
     cfg = parse_config(argv)  # a bad config fails here, before any model loads
     check_earlier_run(cfg)
+    made = not Path(cfg.output_dir).exists()
     check_output_dir(cfg.output_dir)  # and an output_dir it could not write to, before any training
-    out = run_training(cfg)
+    try:
+        out = run_training(cfg)
+    except UserError:  # refused as the models load: no empty output_dir is left behind
+        with contextlib.suppress(OSError):  # another rank may have removed it
+            if made and not any(Path(cfg.output_dir).iterdir()):
+                Path(cfg.output_dir).rmdir()
+        raise
     summary = read_json(out / TRAIN_SUMMARY)
     if summary is not None:
         print(json.dumps(summary["final"], indent=1))

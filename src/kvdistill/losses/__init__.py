@@ -5,7 +5,7 @@
 | `kv` | projected KV matching: mse, smooth_l1, cosine, mercator, hybrid, structural (`KVLoss`) |
 | `relation` | MiniLMv2-style self-relation KL over time, no projector (`RelationKVLoss`) |
 | `attention` | attention-map KL: the teacher's softmax(Q Kᵀ/√d) matched by the student's (`AttentionMapLoss`) |
-| `logits` | the student's LM cross-entropy, logit KD (forward/reverse KL, generalized JSD) |
+| `logits` | the student's LM cross-entropy, logit KD (forward/reverse KL, generalized JSD), the positions it reads (`kd_targets`) |
 | `chunked` | CE + logit KD from hidden states a chunk of tokens at a time (`chunked_head_loss`) |
 | `cross_vocab` | logit KD across tokenizers: shared boundaries, shared tokens, ULD sorted probabilities |
 | `hidden` | CODI hidden-state alignment at the answer marker |
@@ -16,10 +16,18 @@ from kvdistill.losses.chunked import chunked_head_loss, resolve_chunk_tokens
 from kvdistill.losses.cross_vocab import cross_vocab_kd_sum, shared_boundaries, vocab_intersection
 from kvdistill.losses.hidden import answer_position, codi_sum
 from kvdistill.losses.kv import LOSSES, KVLoss, aligned_kv_loss, build_kv_loss
-from kvdistill.losses.logits import LOGIT_KD_KINDS, generalized_jsd, logit_kd_sum, token_ce_sum
+from kvdistill.losses.logits import (
+    LABELLED,
+    LOGIT_KD_KINDS,
+    generalized_jsd,
+    kd_targets,
+    logit_kd_sum,
+    token_ce_sum,
+)
 from kvdistill.losses.relation import RelationKVLoss
 
 __all__ = [
+    "LABELLED",
     "LOGIT_KD_KINDS",
     "LOSSES",
     "AttentionMapLoss",
@@ -33,6 +41,7 @@ __all__ = [
     "codi_sum",
     "cross_vocab_kd_sum",
     "generalized_jsd",
+    "kd_targets",
     "logit_kd_sum",
     "resolve_chunk_tokens",
     "shared_boundaries",

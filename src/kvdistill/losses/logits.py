@@ -1,7 +1,8 @@
 """Token-level losses on logits: the student's LM cross-entropy and logit KD.
 
 Both return *sums* over labelled positions, in fp32, so the trainer can divide by the global
-token count under gradient accumulation and data parallelism.
+token count under gradient accumulation and data parallelism. Which positions logit KD reads is
+`kd_targets` (the `logit_kd_rows` option), given to the KD losses in `labels`' convention.
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvdistill.cache import PAD
+from kvdistill.losses.relation import select_rows
+
 LOGIT_KD_KINDS = ("forward_kl", "reverse_kl", "jsd")
+LABELLED = "labels"  # logit_kd_rows' default: the labelled targets CE learns (not a row selection)
 
 
 def token_ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
@@ -18,6 +23,26 @@ def token_ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(
         logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
     )
+
+
+def kd_targets(rows: str, input_ids: Tensor, labels: Tensor, attention_mask: Tensor, segment_ids: Tensor,
+               token_fields: dict[str, Tensor] | None = None) -> Tensor:
+    """`[B, T]` the next-token targets logit KD reads, in `labels`' convention: position t is distilled where
+    `targets[:, t + 1] != -100` (its distribution is its prediction of token t + 1; the last position predicts
+    nothing).
+
+    rows: `LABELLED` (`labels` itself: the distributions that predict the reasoning and answer tokens), or a
+    row selection (`select_rows`: `all`, segment names, `field:<name>`) read as the *positions* distilled: the
+    distribution at each selected real row whose next token is real. That is the row a KV, relation or
+    attention loss with the same selection reads, so the two channels compare the same positions (SPEC 13).
+    """
+    if rows == LABELLED:
+        return labels
+    real = (attention_mask > 0) & (segment_ids != PAD)  # [B, T]
+    sel = select_rows(rows, segment_ids, token_fields, option="logit_kd_rows")  # [B, T] or None: all
+    at = real if sel is None else real & sel  # [B, T] the rows whose distributions are distilled
+    target = real & F.pad(at[:, :-1], (1, 0), value=False)  # [B, T] token t + 1 of each such row t
+    return input_ids.masked_fill(~target, -100)
 
 
 def generalized_jsd(student: Tensor, teacher: Tensor, beta: float = 0.5) -> Tensor:
@@ -60,7 +85,8 @@ def logit_kd_sum(
 
     Args:
         student, teacher: `[B, T, V]` logits on the same tokens.
-        labels: `[B, T]` (-100: not a target, so prompt and padding never enter).
+        labels: `[B, T]` next-token targets (-100: not a target): position t is compared where
+            `labels[:, t + 1] != -100`; the labels (prompt and padding never enter) or `kd_targets`.
         kind: "forward_kl" (KL(t || s), mode-covering), "reverse_kl" (KL(s || t), mode-seeking) or
             "jsd" (TRL's generalized JSD with `beta`; 0.5 = Jensen-Shannon), see `generalized_jsd`.
         temperature: softmax temperature; the sum is scaled by `temperature**2` (Hinton et al.).

@@ -137,39 +137,41 @@ class _RowKL(torch.autograd.Function):
 ROW_SEGMENTS = {name: sid for sid, name in SEGMENT_NAMES.items()}
 
 
-def parse_rows(spec: str) -> tuple[int, ...] | str | None:
-    """`relation_rows` -> None (all rows), segment ids (e.g. `(2,)` for "answer"), or a field name.
+def parse_rows(spec: str, option: str = "relation_rows") -> tuple[int, ...] | str | None:
+    """A row selection (`relation_rows`, `logit_kd_rows`) -> None (all rows), segment ids (e.g. `(2,)` for
+    "answer"), or a field name.
 
     `all` | `answer` | segment names, comma-separated (`prompt,reasoning,answer`) | `field:<name>`.
-    Raises ValueError naming the accepted forms.
+    Raises ValueError naming `option` and the accepted forms.
     """
     spec = str(spec).strip()
     if spec == "all":
         return None
     if spec.startswith("field:"):
         if not spec[6:].strip():
-            raise ValueError("relation_rows field: needs a name, e.g. field:result (a token_fields name)")
+            raise ValueError(f"{option} field: needs a name, e.g. field:result (a token_fields name)")
         return spec[6:].strip()
     names = [n.strip() for n in spec.split(",") if n.strip()]
     bad = [n for n in names if n not in ROW_SEGMENTS]
     if not names or bad:
-        raise ValueError(f"relation_rows {spec!r}: expected all, answer, segment names from "
+        raise ValueError(f"{option} {spec!r}: expected all, answer, segment names from "
                          f"{tuple(ROW_SEGMENTS)} separated by commas, or field:<name>")
     return tuple(ROW_SEGMENTS[n] for n in names)
 
 
-def select_rows(spec: str, segment_ids: Tensor, token_fields: dict[str, Tensor] | None = None) -> Tensor | None:
-    """`[B, T]` bool: the query rows `relation_rows` reads, or None for all rows.
+def select_rows(spec: str, segment_ids: Tensor, token_fields: dict[str, Tensor] | None = None,
+                option: str = "relation_rows") -> Tensor | None:
+    """`[B, T]` bool: the rows a selection `spec` (option `option`, named in errors) reads, or None for all rows.
 
     Segments by their ids; `field:<name>` where the task's per-token field `token_fields[name]`
     `[B, T]` is > 0 (a 0/1 mask; tokens no span covers hold IGNORE = -100, never selected).
     """
-    rows = parse_rows(spec)
+    rows = parse_rows(spec, option)
     if rows is None:
         return None
     if isinstance(rows, str):
         if not token_fields or rows not in token_fields:
-            raise ValueError(f"relation_rows field:{rows}: the batch has no token field {rows!r} (it has "
+            raise ValueError(f"{option} field:{rows}: the batch has no token field {rows!r} (it has "
                              f"{sorted(token_fields or {})}); write it per record under token_fields")
         return token_fields[rows].to(segment_ids.device) > 0
     return torch.isin(segment_ids, torch.tensor(rows, device=segment_ids.device))

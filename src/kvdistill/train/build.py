@@ -44,7 +44,7 @@ from kvdistill.data import (
 from kvdistill.fields import FIELD_KEY
 from kvdistill.fusion import TeacherFusion
 from kvdistill.io import read_json, write_json_atomic
-from kvdistill.losses import RelationKVLoss, build_kv_loss, resolve_chunk_tokens
+from kvdistill.losses import LABELLED, RelationKVLoss, build_kv_loss, resolve_chunk_tokens
 from kvdistill.losses.attention import AttentionMapLoss
 from kvdistill.losses.relation import parse_rows
 from kvdistill.models import (
@@ -263,6 +263,10 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True, log: Callable[[
     for t in teachers:
         if cfg.student_input != "full" or controls[t.name] == "permuted":
             t.shares_student_tokens = False
+        if cfg.time_mode == "index" and cfg.kv_weight > 0 and t.weight > 0 and not t.shares_student_tokens:
+            raise ConfigError(f"time_mode index pairs token t of the student with token t of each teacher, but teacher "
+                              f"{t.name} reads other tokens (another tokenizer or text), of other lengths; use "
+                              "time_mode segment (or global), or give it the student's tokenizer")
     rewrite = (TextPermutation.seeded(cfg.permute, cfg.permute_vocab, cfg.seed)
                if "permuted" in controls.values() else None)
     views = {
@@ -389,13 +393,15 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
     check_zero3(cfg)
     run = load_run(cfg, teacher_weights=not cfg.teacher_capture)
     tokenizer, student, records, teachers, specs = run.tokenizer, run.student, run.records, run.teachers, run.specs
-    field = parse_rows(cfg.relation_rows)
-    if isinstance(field, str) and cfg.kv_weight > 0:  # relation_rows field:<name> reads it in every batch
-        every = [*records, *run.transfer]
-        missing = sum(field not in dict(r.get(FIELD_KEY) or ()) for r in every)
-        if missing:
-            raise ConfigError(f"relation_rows field:{field}: {missing} of {len(every)} records have no token field "
-                              f"{field!r}; write it under {FIELD_KEY} in every record, or choose other relation_rows")
+    # a row selection field:<name> reads that field in every batch
+    for name, weight in (("relation_rows", cfg.kv_weight), ("logit_kd_rows", cfg.logit_kd_weight)):
+        field = None if getattr(cfg, name) == LABELLED else parse_rows(getattr(cfg, name))
+        if isinstance(field, str) and weight > 0:
+            every = [*records, *run.transfer]
+            missing = sum(field not in dict(r.get(FIELD_KEY) or ()) for r in every)
+            if missing:
+                raise ConfigError(f"{name} field:{field}: {missing} of {len(every)} records have no token field "
+                                  f"{field!r}; write it under {FIELD_KEY} in every record, or choose other {name}")
     collator = run.collator
     teacher_set = TeacherSet(teachers, cfg.device, offload=cfg.teacher_offload,
                              cache=cfg.teacher_cache or bool(cfg.teacher_capture))
@@ -447,6 +453,7 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
         LossWeights(cfg.ce_weight, cfg.codi_weight, cfg.logit_kd_weight, cfg.logit_kd_kind, cfg.logit_kd_temperature,
                     transfer_lm=cfg.transfer_lm_weight, chunk_tokens=cfg.logit_chunk_tokens, beta=cfg.beta),
         key_space=cfg.key_space, codi_dims=codi_dims, kv_segments=_kv_segments(cfg), kv_rows=cfg.relation_rows,
+        logit_kd_rows=cfg.logit_kd_rows,
         logit_teachers=_logit_teachers(tokenizer, teachers), vocab_size=len(tokenizer),
     )
     accuracy_records = None

@@ -22,6 +22,7 @@ from kvdistill.align.aligner import MODES as HEAD_MODES
 from kvdistill.align.compress import COMPRESSIONS
 from kvdistill.align.projectors import PROJECTOR_KINDS as PROJECTORS
 from kvdistill.align.time import TIME_MODES
+from kvdistill.cache import SEGMENT_NAMES
 from kvdistill.card import SECTIONS
 from kvdistill.config import (
     ConfigError,
@@ -32,14 +33,15 @@ from kvdistill.config import (
     teacher_controls,
     teacher_name,
     to_plain,
+    within,
 )
 from kvdistill.config import parse_config as parse_command_config
 from kvdistill.controls import ORACLE_CODES, TextPermutation
 from kvdistill.data import DEFAULT_TEMPLATE, FIELD_MAPS, parse_student_input
 from kvdistill.fusion import FUSIONS
-from kvdistill.losses import LOGIT_KD_KINDS, LOSSES
+from kvdistill.losses import LABELLED, LOGIT_KD_KINDS, LOSSES
 from kvdistill.losses.relation import parse_rows
-from kvdistill.models import model_dir
+from kvdistill.models import model_dir, sliding_window
 from kvdistill.teachers import LOGIT_KD_MODES
 
 logger = logging.getLogger(__name__)
@@ -241,7 +243,8 @@ class KVDistillConfig(TrainingArguments):
                                                 affects="student_loss", card="alignment")
     ce_weight: float = option(1.0, "Weight of the student's LM loss.",
                               affects="student_loss", card="signals", valid=">= 0")
-    allow_kv_only: bool = option(False, "Allow ce_weight 0 (a KV-only loss can collapse to a trivial high cos-sim).",
+    allow_kv_only: bool = option(False, "Allow a loss without the student's LM loss: ce_weight 0, or lmbda 1 without "
+                                 "logit KD (a KV-only loss can collapse to a trivial high cos-sim).",
                                  affects="student_loss")
     codi_weight: float = option(0.0, "Weight of the CODI hidden-state loss at the answer marker.",
                                 affects="teacher_signal", card="signals", valid=">= 0")
@@ -251,6 +254,14 @@ class KVDistillConfig(TrainingArguments):
                                 affects="student_loss", card="signals")
     logit_kd_temperature: float = option(1.0, "Softmax temperature of logit KD.",
                                          affects="student_loss", card="signals", valid="> 0")
+    # student_loss, not teacher_outputs: a capture stores a teacher's logits (or final hidden states) at every
+    # position, so one capture serves every choice of rows
+    logit_kd_rows: str = option(LABELLED, "The positions whose next-token distributions logit KD compares. "
+                                "labels: those that predict the labelled tokens CE learns (reasoning and answer, "
+                                "as before) | all: every real position whose next token is real, prompt included | "
+                                "a row selection as relation_rows takes it (answer | segment names, comma-separated "
+                                "| field:<name>): the distribution at each selected row, the row a KV loss with the "
+                                "same selection reads. N_kd counts them.", affects="student_loss", card="signals")
     logit_chunk_tokens: int | None = option(None, "CE and same-vocab logit KD from the student's final hidden "
                                             "states, this many tokens at a time (never the B×T×V logits; "
                                             "losses/chunked.py); 0: off (the model's logits); unset: 1,024-token "
@@ -283,6 +294,10 @@ class KVDistillConfig(TrainingArguments):
     # ---- teachers
     fusion: str = option("loss_sum", f"Multi-teacher fusion: {FUSIONS}.",
                          affects="student_loss", card="alignment")
+    allow_self_teacher: bool = option(False, "Allow a teacher that is the student's own model read the same way (no "
+                                      "control, rationale_field or shortened student_input): its targets are the "
+                                      "student's own outputs at the start, a pull back to its initial weights.",
+                                      affects="student_loss")
     teacher_offload: bool = option(False, "Keep teachers on CPU; move one at a time to the device for its forward.",
                                    affects="student_loss")
     teacher_cache: bool = option(False, "Keep every training record's teacher outputs in CPU memory, so each "
@@ -409,6 +424,13 @@ class KVDistillConfig(TrainingArguments):
             raise ConfigError("max_steps 0 would still run one step; set max_steps >= 1, or -1 to train "
                               "num_train_epochs epochs")
         check_ranges(self, INHERITED_RANGES)  # every number finite and in its declared range
+        self._check_segment_weights()
+        if self.logging_strategy == "steps" and self.max_steps > 0 and self.logging_steps > self.max_steps:
+            # no step would log: metrics.jsonl and the summary empty. Clamped rather than refused: the default (10)
+            # and the shipped configs' values meet a short --max_steps (demo --quick) the user set alone
+            logger.warning("logging_steps %g is more than max_steps %d, so no step would be logged; logging every "
+                           "%d steps instead", self.logging_steps, self.max_steps, self.max_steps)
+            self.logging_steps = self.max_steps
         if self.accuracy_stop > 0 and self.accuracy_eval_steps == 0:
             raise ConfigError(f"accuracy_stop {self.accuracy_stop} reads the accuracy curve, which is off; set "
                               "accuracy_eval_steps > 0 (every how many steps to check) or accuracy_stop: 0")
@@ -416,13 +438,20 @@ class KVDistillConfig(TrainingArguments):
             raise ConfigError("fp16 mixed precision needs a CUDA GPU (on CPU it would be silently ignored); drop "
                               "--fp16, or use --bf16 on CPU")
         # one model read the same way twice is one teacher counted twice (another rationale is not)
-        views = [(str(Path(str(t.path)).resolve()) if Path(str(t.path)).exists() else str(t.path), t.tokenizer,
-                  t.rationale_field, t.dtype, t.quantization, self.teacher_controls[t.name])
-                 for t in self.teacher_configs]
+        views = [(_resolved(t.path), t.tokenizer, t.rationale_field, t.dtype, t.quantization,
+                  self.teacher_controls[t.name]) for t in self.teacher_configs]
         repeated = [v[0] for v in views if views.count(v) > 1]
         if repeated:
             raise ConfigError(f"teacher {repeated[0]} is listed twice with the same settings; list it once (its "
                               "`weight` sets how much it counts)")
+        # the student's own model reading its text: its targets are the student's outputs (a typo, most often)
+        own = [t for t in self.active_teachers if _resolved(t.path) == _resolved(self.student) and
+               t.tokenizer in (None, "student") and t.rationale_field is None and self.student_input == "full"
+               and self.teacher_controls[t.name] == "none"]
+        if own and not self.allow_self_teacher:
+            raise ConfigError(f"teacher {own[0].name} is the student itself ({own[0].path}), reading the same text: "
+                              "its targets are the student's own outputs, a pull back to its initial weights; give "
+                              "another teacher, or pass --allow_self_teacher true if you mean it")
         if self.ce_weight == 0 and not self.allow_kv_only:
             raise ConfigError(
                 "ce_weight=0 trains on the KV loss alone, which can collapse to a high cos-sim that teaches "
@@ -500,6 +529,39 @@ class KVDistillConfig(TrainingArguments):
         if not _is_model_ref(self.student):
             raise ConfigError(f"student path {self.student!r} does not exist; give a local model directory "
                               "or a Hub id")
+        self._check_windows()
+
+    def _check_segment_weights(self) -> None:
+        """segment_weights: a mapping of segment names to weights >= 0 (a negative weight would reward distance)."""
+        weights = self.segment_weights
+        if weights is None:
+            return
+        if not isinstance(weights, dict):
+            raise ConfigError(f"segment_weights must be a mapping {{prompt: w, reasoning: w, answer: w}}, got "
+                              f"{weights!r}")
+        names = tuple(SEGMENT_NAMES.values())
+        for name, w in weights.items():
+            if name not in names:
+                raise ConfigError(f"segment_weights: unknown segment {name!r}{suggest(str(name), names)}; the "
+                                  f"segments are {', '.join(names)}")
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not within(w, ">= 0"):
+                raise ConfigError(f"segment_weights {name}: {w} is not a weight >= 0; give each segment a weight "
+                                  ">= 0 (0 leaves it out of the KV loss)")
+
+    def _check_windows(self) -> None:
+        """max_length fits the KV cache of every model whose KV the run reads: transformers keeps only the last
+        `sliding_window - 1` tokens of a sliding-window layer, and layers of two lengths cannot be stacked
+        (config.json only, no weights)."""
+        if self.kv_weight == 0:
+            return
+        readers = [("student", self.student), *((f"teacher {t.name}", t.path) for t in self.teacher_configs
+                                                 if t.weight > 0 and self.teacher_control != "oracle")]
+        for who, path in readers:
+            window = sliding_window(path)
+            if window is not None and self.max_length > window - 1:
+                raise ConfigError(f"max_length {self.max_length}: {who} ({path}) has layers with a sliding window of "
+                                  f"{window} tokens, whose KV cache keeps only the last {window - 1}; set max_length "
+                                  f"<= {window - 1}")
 
     def _check_control(self) -> None:
         """The options of the oracle / permuted / other_task controls (run-wide or per teacher), what they
@@ -561,6 +623,10 @@ class KVDistillConfig(TrainingArguments):
         if not self.teacher_signal:
             raise ConfigError(f"{what} teaches the student from its teachers on generated text; set a teacher signal "
                               "(logit_kd_weight, kv_weight or codi_weight > 0) with at least one teacher")
+        if self.lmbda == 1 and self.logit_kd_weight == 0 and not self.allow_kv_only:  # as ce_weight 0 is refused
+            raise ConfigError("lmbda 1 puts every step on-policy, where the student gets no LM loss: without logit KD "
+                              "it trains on the KV loss alone, which can collapse to a high cos-sim that teaches "
+                              "nothing; set lmbda < 1 or logit_kd_weight > 0, or allow_kv_only: true if you mean it")
         if self.teacher_cache or self.teacher_capture:
             raise ConfigError(f"{what}: teacher_cache / teacher_capture store teacher outputs per record, but the "
                               "generated text changes every step; set teacher_cache: false and no teacher_capture")
@@ -631,14 +697,19 @@ class KVDistillConfig(TrainingArguments):
                 self.kv_loss == "attention")
 
     def _check_attention(self) -> None:
-        """relation_rows and kv_loss attention: what they need and cannot run with."""
-        try:
-            parse_rows(self.relation_rows)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        if self.relation_rows.strip().startswith("field:") and (self.lmbda > 0 or self.seq_kd):
-            raise ConfigError("relation_rows field:<name> reads the data's per-token fields, which generated completions "
-                              "(lmbda > 0, seq_kd) do not carry; use segment rows (e.g. answer) or turn generation off")
+        """relation_rows, logit_kd_rows and kv_loss attention: what they need and cannot run with."""
+        rows = {"relation_rows": self.relation_rows}
+        if self.logit_kd_rows != LABELLED:  # else a row selection, as relation_rows'
+            rows["logit_kd_rows"] = self.logit_kd_rows
+        for name, spec in rows.items():
+            try:
+                parse_rows(spec, name)
+            except ValueError as err:
+                raise ConfigError(str(err) + ("" if name == "relation_rows" else f", or {LABELLED}")) from None
+            if spec.strip().startswith("field:") and (self.lmbda > 0 or self.seq_kd):
+                raise ConfigError(f"{name} field:<name> reads the data's per-token fields, which generated "
+                                  "completions (lmbda > 0, seq_kd) do not carry; use segment rows (e.g. answer) or "
+                                  "turn generation off")
         if self.kv_loss != "attention":
             return
         if self.key_space != "post_rope":
@@ -700,6 +771,11 @@ TEACHER_SIGNALS = option_names(affects="teacher_signal")
 # how often and where a run writes, not what it learns: may change between a run and its resumption
 # (a run dir copied into another ablation's output_dir is reused there)
 BOOKKEEPING = frozenset(option_names(affects="bookkeeping"))
+
+
+def _resolved(ref: str) -> str:
+    """A model path as one directory, whatever the spelling (`./m`, `m/`, a link); a Hub id as given."""
+    return str(Path(str(ref)).resolve()) if Path(str(ref)).exists() else str(ref)
 
 
 def _is_model_ref(ref: str) -> bool:

@@ -19,11 +19,13 @@ from kvdistill.align.aligner import KVAligner
 from kvdistill.cache import PAD, KeySpace, KVCache, forward_with_kv
 from kvdistill.fusion import TeacherFusion, fuse_kv
 from kvdistill.losses import (
+    LABELLED,
     aligned_kv_loss,
     answer_position,
     chunked_head_loss,
     codi_sum,
     cross_vocab_kd_sum,
+    kd_targets,
     logit_kd_sum,
     resolve_chunk_tokens,
     shared_boundaries,
@@ -80,6 +82,7 @@ class KVDistillModel(nn.Module):
         logit_teachers: dict[str, LogitTeacher] | None = None,
         vocab_size: int | None = None,
         kv_rows: str = "all",
+        logit_kd_rows: str = LABELLED,
     ):
         super().__init__()
         self.student = student
@@ -92,6 +95,7 @@ class KVDistillModel(nn.Module):
         self.logit_teachers = logit_teachers or {}  # teachers absent here give same-vocab logits
         self.vocab_size = vocab_size  # the student tokenizer's real size: logits past it are padding rows
         self.kv_rows = kv_rows  # relation_rows: the query rows of relation / attention, the tokens of element losses
+        self.logit_kd_rows = logit_kd_rows  # the tokens logit KD's positions predict (`losses.kd_targets`)
         self.queries = getattr(kv_loss, "name", None) == "attention"  # the attention loss reads queries
         # CODI: teacher hidden (d_t) -> student hidden (d_s) at the answer marker
         self.codi = nn.ModuleDict({n: nn.Linear(dt, ds) for n, (dt, ds) in (codi_dims or {}).items()})
@@ -117,6 +121,14 @@ class KVDistillModel(nn.Module):
         mask = (seg & (attention_mask > 0) & (segment_ids != PAD)).float()
         sel = select_rows(self.kv_rows, segment_ids, token_fields) if rows else None
         return mask if sel is None else mask * sel
+
+    def kd_targets(self, input_ids: Tensor, labels: Tensor, attention_mask: Tensor, segment_ids: Tensor,
+                   token_fields: dict | None = None) -> Tensor:
+        """`[B, T]` the targets logit KD reads, as labels (`losses.kd_targets` of `logit_kd_rows`): the model's
+        KD sums and the trainer's global count read the same. Without logit KD, `labels` (no field is read)."""
+        if self.weights.logit_kd == 0:
+            return labels
+        return kd_targets(self.logit_kd_rows, input_ids, labels, attention_mask, segment_ids, token_fields)
 
     def forward(
         self,
@@ -154,7 +166,8 @@ class KVDistillModel(nn.Module):
             hidden = torch.stack(out.hidden_states) if w.codi > 0 else None  # [L+1, B, T, d]
         # transfer records (labelled False) have targets for logit KD but no LM loss
         ce_labels = labels if labelled is None else labels.masked_fill(~labelled[:, None], -100)  # [B, T]
-        n_ce_local, n_kd_local, n_tr_local = target_counts(labels, labelled)
+        kd_labels = self.kd_targets(input_ids, labels, attention_mask, segment_ids, token_fields)  # [B, T]
+        n_ce_local, n_kd_local, n_tr_local = target_counts(labels, labelled, kd_labels)
         n_ce = num_ce_tokens if num_ce_tokens is not None else n_ce_local.clamp(min=1)
         tr_labels = labels if labelled is None else labels.masked_fill(labelled[:, None], -100)  # transfer targets
         n_tr = num_transfer_tokens if num_transfer_tokens is not None else n_tr_local.clamp(min=1)
@@ -169,7 +182,7 @@ class KVDistillModel(nn.Module):
             lab = torch.ones_like(index, dtype=torch.bool) if labelled is None else labelled  # [B]
             ce_w = torch.where(lab, w.ce / n_ce, w.transfer_lm / n_tr)[:, None]  # [B, 1] per record
             lm_labels = labels if w.transfer_lm > 0 else ce_labels
-            loss, ce_sum, kd_same = self._chunked_head(final, labels, lm_labels, ce_w, same, sample_w, names, n_kd,
+            loss, ce_sum, kd_same = self._chunked_head(final, kd_labels, lm_labels, ce_w, same, sample_w, names, n_kd,
                                                        chunk)
         elif w.ce > 0:
             ce_sum = token_ce_sum(out.logits, ce_labels)
@@ -196,11 +209,11 @@ class KVDistillModel(nn.Module):
             metrics["codi"] = (codi / input_ids.shape[0]).detach()
         if w.logit_kd > 0 and teacher_logits:
             kd = 0 if chunk else sum(  # chunked: the same-vocab KD is in the loss already
-                logit_kd_sum(out.logits, full_logits(t), labels, w.logit_kd_kind, w.temperature,
+                logit_kd_sum(out.logits, full_logits(t), kd_labels, w.logit_kd_kind, w.temperature,
                              logit_weights(n, sample_w, names), beta=w.beta, vocab_size=self.vocab_size)
                 for n, t in same.items()
             )
-            kd = kd + self._cross_vocab_kd(out.logits if final is None else final, final is not None, labels,
+            kd = kd + self._cross_vocab_kd(out.logits if final is None else final, final is not None, kd_labels,
                                            char_ends, teacher_char_ends or {}, teacher_logits, sample_w, names,
                                            metrics)
             loss = loss + w.logit_kd * kd / n_kd
@@ -293,15 +306,15 @@ class KVDistillModel(nn.Module):
             return 0
         return resolve_chunk_tokens(self.weights.chunk_tokens, labels.numel(), weight.shape[0])
 
-    def _chunked_head(self, final, labels, lm_labels, ce_w, same, sample_w, names, n_kd, chunk
+    def _chunked_head(self, final, kd_labels, lm_labels, ce_w, same, sample_w, names, n_kd, chunk
                       ) -> tuple[Tensor, Tensor, Tensor]:
-        """`chunked_head_loss` over all B×T positions (t predicts labels[:, t + 1], the last one nothing), so
+        """`chunked_head_loss` over all B×T positions (t predicts the target at t + 1, the last one nothing), so
         no `[B, T, V]` tensor is copied: `(loss, CE sum, same-vocab KD sum)`. CE on `lm_labels`' targets, weighted
-        per record by `ce_w [B, 1]`; KD on every target of `labels`, from each teacher's logits `[B, T, V]` or its
-        final hidden states and head (`TeacherHead`: its logits too are made a chunk at a time)."""
+        per record by `ce_w [B, 1]`; KD on every target of `kd_labels`, from each teacher's logits `[B, T, V]` or
+        its final hidden states and head (`TeacherHead`: its logits too are made a chunk at a time)."""
         w = self.weights
         shift = lambda x: F.pad(x[:, 1:], (0, 1), value=-100)  # noqa: E731  [B, T]: the target each position predicts
-        valid = (shift(labels) != -100).float()  # [B, T]
+        valid = (shift(kd_labels) != -100).float()  # [B, T]
         kd_w = (torch.stack([valid * logit_weights(n, sample_w, names)[:, None] for n in same]).flatten(1)
                 if same else None)  # [N_same, B·T]
         head = self.student.get_output_embeddings()
@@ -312,13 +325,13 @@ class KVDistillModel(nn.Module):
             temperature=w.temperature, vocab_size=self.vocab_size, chunk_tokens=chunk,
         )
 
-    def _cross_vocab_kd(self, student, hidden, labels, char_ends, teacher_char_ends, teacher_logits, sample_w,
+    def _cross_vocab_kd(self, student, hidden, kd_labels, char_ends, teacher_char_ends, teacher_logits, sample_w,
                         names, metrics) -> Tensor | int:
-        """Sum over cross-vocab teachers of `cross_vocab_kd_sum` at the positions with a target where both
-        tokenizations end a token at the same character. `student`: logits `[B, T, V]`, or (`hidden`) the final
+        """Sum over cross-vocab teachers of `cross_vocab_kd_sum` at the positions with a target in `kd_labels` where
+        both tokenizations end a token at the same character. `student`: logits `[B, T, V]`, or (`hidden`) the final
         hidden states `[B, T, d]` (chunked path: only those positions' logits are made)."""
         w, total = self.weights, 0
-        has_target = F.pad(labels[:, 1:] != -100, (0, 1), value=False)  # [B, T]
+        has_target = F.pad(kd_labels[:, 1:] != -100, (0, 1), value=False)  # [B, T]
         for n, t_logits in teacher_logits.items():
             lt = self.logit_teachers.get(n)
             if lt is None or lt.mode != "cross_vocab":
@@ -365,15 +378,17 @@ class KVDistillModel(nn.Module):
         return total
 
 
-def target_counts(labels: Tensor, labelled: Tensor | None) -> Tensor:
-    """`[3]` next-token targets of a batch: CE (labelled records), logit KD (every record) and the
-    transfer LM term (transfer records). The model's local counts and the trainer's global ones."""
+def target_counts(labels: Tensor, labelled: Tensor | None, kd_labels: Tensor | None = None) -> Tensor:
+    """`[3]` next-token targets of a batch: CE (labelled records), logit KD (the targets of `kd_labels`,
+    `KVDistillModel.kd_targets`, in every record; None: `labels`') and the transfer LM term (transfer
+    records). The model's local counts and the trainer's global ones."""
     targets = labels[:, 1:] != -100  # [B, T-1]
-    kd = targets.sum()
+    n = targets.sum()
+    kd = n if kd_labels is None else (kd_labels[:, 1:] != -100).sum()
     if labelled is None:  # no record marked: each one counts for every term
-        return torch.stack([kd, kd, kd])
+        return torch.stack([n, kd, n])
     ce = (targets & labelled[:, None]).sum()
-    return torch.stack([ce, kd, kd - ce])
+    return torch.stack([ce, kd, n - ce])
 
 
 def logit_weights(name: str, sample_w: Tensor, names: list[str]) -> Tensor:

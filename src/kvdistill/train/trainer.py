@@ -212,15 +212,18 @@ class KVDistillTrainer(Trainer):
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
         """Global (all micro-batches, all ranks) counts `[5]`: CE tokens (labelled records), KV tokens,
-        sequences, logit-KD tokens (labelled and transfer records), transfer-LM tokens (transfer records)."""
+        sequences, logit-KD targets (of `logit_kd_rows`, in every record), transfer-LM tokens (transfer records)."""
         if not batch_samples or "labels" not in batch_samples[0]:
             return None
         m = self.distill_model
-        ce, kd, _ = (float(x) for x in sum(target_counts(b["labels"], b["labelled"]) for b in batch_samples))
+        kd_targets = [m.kd_targets(b["input_ids"], b["labels"], b["attention_mask"], b["segment_ids"],
+                                   b.get("token_fields")) for b in batch_samples]  # what the model's KD reads
+        ce, kd, tr = (float(x) for x in sum(target_counts(b["labels"], b["labelled"], k)
+                                            for b, k in zip(batch_samples, kd_targets)))
         kv = sum(float(m.kv_mask(b["segment_ids"], b["attention_mask"], b.get("token_fields")).sum())
                  for b in batch_samples)
         seqs = sum(float(b["input_ids"].shape[0]) for b in batch_samples)  # per-sample terms (CODI)
-        counts = torch.tensor([ce, kv, seqs, kd, kd - ce], device=device)
+        counts = torch.tensor([ce, kv, seqs, kd, tr], device=device)
         if self.args.world_size > 1:
             counts = self.accelerator.gather(counts[None]).sum(0)
         return counts.clamp(min=1)
