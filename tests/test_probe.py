@@ -186,3 +186,21 @@ def test_a_model_whose_only_value_projection_is_at_layer_1_carries_the_field_onl
     assert torch.all(v["score"][[0, 2]] == v["baseline"])  # zero features: the majority class, nothing more
     assert v["heads"]["score"].shape == (3, 2)
     assert torch.all(v["shuffled"] < v["baseline"] + 0.2)
+
+
+def test_ridge_solves_on_two_threads():
+    """torch 2.13's batched LU solve fails on 2 CPU threads here (MKL: "SLASWP parameter 6", minutes a call):
+    the probe's solve must hold the normal equations there, as a user's `kvdistill probe` runs (a subprocess:
+    the suite itself runs on one thread)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.set_num_threads(2); from kvdistill import probe\n"
+            "X = torch.randn(18, 30, 256); Y = torch.randn(30, 10); W = probe.ridge(X, Y, (1e-3, 1.0))\n"
+            "A = X.mT @ X / 30; B = X.mT @ Y / 30\n"
+            "for W_l, lam in zip(W, (1e-3, 1.0)):\n"
+            "    r = ((A + lam * torch.eye(256)) @ W_l - B).abs().max() / B.abs().max()\n"
+            "    assert r < 1e-3, float(r)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert "MKL ERROR" not in done.stderr

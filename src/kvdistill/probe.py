@@ -26,7 +26,7 @@ Rows (`parse_rows`): all | prompt | reasoning | answer | results (tokens of a nu
 after "=" or "####", i.e. what a step or the answer computes) | field:<name> (tokens where the field
 is non-zero).
 
-The probe is ridge regression, closed form, one batched `torch.linalg.solve` for all layers (or all
+The probe is ridge regression, closed form, one batched Cholesky solve for all layers (or all
 layer x head pairs) of a kind. Classification is ridge on one-hot targets (argmax of the fitted
 scores), not logistic regression: it is the same single solve for any number of classes, needs no
 learning rate or iteration count, is deterministic, and as a linear read-out test it ranks layers as
@@ -278,13 +278,15 @@ def ridge(X: Tensor, Y: Tensor, lambdas: Sequence[float]) -> Tensor:
 
     Returns:
         `[Λ, G, F, C]`: the normal equations `(XᵀX/n + λI) W = XᵀY/n`, their Gram built once, one
-        batched solve over G per λ.
+        batched Cholesky solve over G per λ.
     """
     n, F = X.shape[1:]
     A = X.mT @ X / n  # [G, F, F]
     B = X.mT @ Y / n  # [G, F, C]
     eye = torch.eye(F, dtype=X.dtype, device=X.device)
-    return torch.stack([torch.linalg.solve(A + lam * eye, B) for lam in lambdas])
+    # Cholesky, as A + λI is symmetric positive definite (λ > 0): the batched LU of `linalg.solve` in
+    # torch 2.13's CPU build (MKL) fails on 2 threads ("SLASWP parameter 6") and takes minutes a call
+    return torch.stack([torch.cholesky_solve(B, torch.linalg.cholesky(A + lam * eye)) for lam in lambdas])
 
 
 def _fit_predict(X: Tensor, Y: Tensor, fit: Tensor, test: Tensor, lambdas: Sequence[float]) -> Tensor:
