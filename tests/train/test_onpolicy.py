@@ -165,7 +165,8 @@ def test_resume_replays_the_sampling(two_tok_args, tmp_path):
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"logit_kd_kind": "forward_kl", "beta": 0.2}, "beta applies to logit_kd_kind jsd"),
     ({"teacher_cache": "true"}, "teacher_cache"),
-    ({"student_input": "no_rationale", "logit_kd_weight": 0.0}, "student_input"),
+    # allow_kv_only: lmbda 1 without logit KD is refused on its own (the KV loss alone)
+    ({"student_input": "no_rationale", "logit_kd_weight": 0.0, "allow_kv_only": True}, "student_input"),
     ({"kv_weight": 0.0, "logit_kd_weight": 0.0, "teachers": "[]"}, "teacher signal"),
 ])
 def test_bad_on_policy_options_are_refused(two_tok_args, overrides, match):
