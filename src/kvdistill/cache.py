@@ -244,7 +244,8 @@ def capture_queries(model: nn.Module):
     def attn_hook(module: nn.Module, args: tuple, kwargs: dict, _output: Any) -> None:
         D = module.head_dim
         q = _heads(module, pending.pop(id(module)), "q_norm")  # [B, H_q, T, D]
-        _check_windows(type(model).__name__, attns, q.shape[2])
+        if not captured:  # one check a forward: every layer sees the same length
+            _check_windows(type(model).__name__, attns, q.shape[2])
         cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
         scale = getattr(module, "scaling", D**-0.5) * math.sqrt(D)  # the model's logit scale over the loss's 1/sqrt(D)
         captured.append(rotate(q, q, cos, sin)[0] * scale)

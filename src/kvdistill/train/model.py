@@ -95,7 +95,7 @@ class KVDistillModel(nn.Module):
         self.logit_teachers = logit_teachers or {}  # teachers absent here give same-vocab logits
         self.vocab_size = vocab_size  # the student tokenizer's real size: logits past it are padding rows
         self.kv_rows = kv_rows  # relation_rows: the query rows of relation / attention, the tokens of element losses
-        self.logit_kd_rows = logit_kd_rows  # the tokens logit KD's positions predict (`losses.kd_targets`)
+        self.logit_kd_rows = logit_kd_rows  # the positions whose distributions logit KD compares (`losses.kd_targets`)
         self.queries = getattr(kv_loss, "name", None) == "attention"  # the attention loss reads queries
         # CODI: teacher hidden (d_t) -> student hidden (d_s) at the answer marker
         self.codi = nn.ModuleDict({n: nn.Linear(dt, ds) for n, (dt, ds) in (codi_dims or {}).items()})
