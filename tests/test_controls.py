@@ -159,6 +159,13 @@ def test_permuted_teacher_sees_a_consistent_map_within_and_across_records():
     assert "What is" in perm(BINDING[0])["question"]  # only whole-word vocab entries change
 
 
+def test_a_permuted_teacher_reads_a_conversation_with_its_contents_rewritten_and_its_roles_kept():
+    perm = TextPermutation.seeded("numbers", "0..58", seed=1)
+    t = perm.table
+    rec = {"messages": (("user", "What is 31 + 40?"), ("assistant", "12")), "index": 3}
+    assert perm(rec) == {"messages": (("user", f"What is {t['31']} + {t['40']}?"), ("assistant", t["12"])), "index": 3}
+
+
 def test_numbers_outside_the_declared_range_are_kept():
     perm = TextPermutation.seeded("numbers", "0..58", seed=1)
     rec = {"question": "What is 31 + 40 mod 59? And 007?", "answer": "12 + 0 = 12\n#### 12"}

@@ -79,6 +79,8 @@ def test_binding_fields_cover_every_name_with_its_value_and_chain():
         assert starts == name_positions  # every definition, reference and the query; nothing else
         assert all(text in values and v == 1 for text, v in spans(rec, "name"))
         assert all(values[text] == v for text, v in spans(rec, "value"))
+        # the query's name, and only it: "What is m?" -> "m", the last name of the question
+        assert [(s, e, v) for s, e, v in rec["token_fields"]["query"]] == [(q.rindex("What is ") + 8, len(q) - 1, 1)]
         chain = [v for _, v in spans(rec, "chain")]
         assert chain[0] == 0 and all(c <= max(chain[:i], default=-1) + 1 for i, c in enumerate(chain))  # first seen
         # same chain <=> same root (the roots' digits differ, so: same resolved value)

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvdistill",
         description="Multi-teacher KV-cache distillation with 4D (time, layer, head, dim) alignment.",
-        epilog="Run `kvdistill COMMAND --help` for a command's options; `--debug` shows tracebacks.",
+        epilog="Run `kvdistill COMMAND --help` for a command's options (`kvdistill train --help-all` also lists "
+               "every transformers TrainingArguments option); `--debug` shows tracebacks.",
     )
     parser.add_argument("--version", action="version", version=f"kvdistill {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import tempfile
+import textwrap
 from collections.abc import Mapping
 from dataclasses import MISSING, field, fields
 from pathlib import Path
@@ -41,8 +42,8 @@ class ConfigError(UserError, ValueError):
 
 # What an option changes, declared once per option (`option(..., affects=ROLE)`). The commands derive
 # from it what they compare: a capture's identity (teacher_inputs, teacher_outputs), whether a
-# finished run is reused (all but bookkeeping), whether a run loads teachers (teacher_signal), and
-# the sections of `--help`. Pick the first role that fits.
+# finished run is reused (all but bookkeeping) and whether a run loads teachers (teacher_signal).
+# Pick the first role that fits. (`--help` is sectioned by task instead: `GROUPS`.)
 ROLES = {
     "teacher_outputs": "what a teacher computes and a capture stores (a capture made with another value is refused)",
     "teacher_inputs": "what teachers read (a capture of other tokens is refused: it stores a hash of them)",
@@ -50,25 +51,40 @@ ROLES = {
     "student_loss": "what the student learns and how (a finished run is reused only when these match)",
     "bookkeeping": "where and how often a run writes (may change between a run and its resumption or reuse)",
 }
-OPTION_META = ("affects", "card", "valid")  # option() metadata beside `help`
+# What an option is for, declared once per option (`option(..., group=GROUP)`): the sections of
+# `--help`, in this order (a command whose options declare none gets one section). Each value is the
+# section's heading: its name, then what its options choose.
+GROUPS = {
+    "models": "models: the student and its teachers, how they load and run, controls",
+    "data": "data: what the student and its teachers read, and how it is tokenized",
+    "alignment": "alignment: each teacher's KV onto the student's (time, layer, head, dim)",
+    "signals": "signals and losses: LM loss, KV loss, CODI, logit KD, and their weights",
+    "training": "training: optimiser, on-policy generation, accuracy curve, NaN policy",
+    "output": "output: where and how often a run writes",
+}
+OPTION_META = ("affects", "card", "valid", "group")  # option() metadata beside `help`
 _BOUND = re.compile(r"(>=|>|<=|<)\s*(\S+)$")
 _INTERVAL = re.compile(r"in\s*([\[(])\s*(\S+)\s*,\s*(\S+)\s*([\])])$")
 
 
 def option(default: Any = MISSING, help: str = "", *, affects: str | None = None, card: str | None = None,
-           valid: str | None = None, **metadata: Any) -> Any:
+           valid: str | None = None, group: str | None = None, **metadata: Any) -> Any:
     """A dataclass field with help text (`metadata["help"]`); list/dict defaults are copied per instance.
 
     affects: the option's role, a key of `ROLES`. card: the model-card section that shows it
     (`card.py`), if any. valid: the numbers it accepts, checked by `check_ranges` (e.g. ">= 0", "> 0",
     "in (0, 1]", ">= 1 or -1"; NaN and inf are never valid; None is valid only where it is the default).
+    group: the `--help` section that lists it, a key of `GROUPS`.
     """
     if affects is not None and affects not in ROLES:
         raise ValueError(f"affects={affects!r} is not one of {tuple(ROLES)}")
+    if group is not None and group not in GROUPS:
+        raise ValueError(f"group={group!r} is not one of {tuple(GROUPS)}")
     if valid is not None:
         within(0, valid)  # a typo in the rule fails at import
     meta = {"help": help, **metadata}
-    meta.update({k: v for k, v in (("affects", affects), ("card", card), ("valid", valid)) if v is not None})
+    meta.update({k: v for k, v in (("affects", affects), ("card", card), ("valid", valid), ("group", group))
+                 if v is not None})
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: default.copy(), metadata=meta)
     return field(default=default, metadata=meta)
@@ -124,11 +140,47 @@ def check_choice(name: str, value: Any, allowed: tuple) -> None:
         raise ConfigError(f"{name}={value!r} is not one of {allowed}")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's layout, with each option named once: `--max_length N`, not also `--max-length N` (both
+    spellings still parse)."""
+
+    def _format_action_invocation(self, action):
+        names = [s for i, s in enumerate(action.option_strings)
+                 if s.replace("-", "_") not in {t.replace("-", "_") for t in action.option_strings[:i]}]
+        if names != action.option_strings:
+            action = copy.copy(action)
+            action.option_strings = names
+        return super()._format_action_invocation(action)
+
+
+class _HelpAll(argparse.Action):
+    """`--help-all`: `--help` with the options it leaves out (`hidden`, with their help texts) listed too."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+        self.hidden: list[tuple[argparse.Action, str]] = []
+        self.pointer: Any = None  # the section whose description points here
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for action, text in self.hidden:
+            action.help = text
+        if self.pointer is not None:
+            self.pointer.description = None
+        parser.print_help()
+        parser.exit()
+
+
+# options of `first` (TrainingArguments) named in the one-line pointer that stands for them in `--help`
+_EXAMPLES = ("warmup_steps", "lr_scheduler_type", "bf16", "eval_strategy", "deepspeed")
+
+
 def build_parser(cls: type, prog: str, description: str | None = None, first: type | None = None):
     """An `HfArgumentParser` for `cls` with `--config` first.
 
-    `first`: a base class of `cls` (e.g. `TrainingArguments`) whose options are listed *after*
-    `cls`'s own ones in `--help`, under their own heading.
+    Options that declare a `group` (`option(..., group=...)`) are listed in one section per key of
+    `GROUPS`, in its order. `first`: a base class of `cls` (e.g. `TrainingArguments`) whose options
+    (those `cls` does not redeclare) come last, under their own heading; `--help` shows that heading
+    with a one-line pointer in their place, `--help-all` lists them.
     """
     from transformers import HfArgumentParser
 
@@ -140,31 +192,46 @@ def build_parser(cls: type, prog: str, description: str | None = None, first: ty
             HfArgumentParser._parse_dataclass_field(parser, field)
 
     parser = Parser(cls, prog=prog, description=description, usage=f"{prog} [--config FILE.yaml] [--option value ...]",
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=_HelpFormatter)
     config = parser.add_argument("--config", default=None, help="YAML file of options; command-line flags override it.")
     parser._optionals.title = f"{prog} options"
     group = parser._optionals._group_actions  # the order --help prints
     group.remove(config)
     group.insert(1, config)  # after -h
     for action in group[2:]:
-        if action.help and "%(default)" not in action.help:
+        if action.option_strings[:1] == [f"--no_{action.dest}"]:  # HfArgumentParser's complement of a True bool
+            action.help = f"Same as --{action.dest} false."
+        elif action.help and "%(default)" not in action.help:
             action.help += " (default: %(default)r)"
     own = list(inspect.get_annotations(cls))  # declaration order, overridden base fields included
     if first is not None:
         later = {f.name for f in fields(first)} - set(own)
         moved = [a for a in group if a.dest in later]
         group.sort(key=lambda a: own.index(a.dest) if a.dest in own else -1)  # -h, --config stay first
-    roles = {f.name: f.metadata["affects"] for f in fields(cls) if f.name in own and "affects" in f.metadata}
-    for role, text in ROLES.items() if roles else ():  # one --help section per role, in ROLES' order
-        section = parser.add_argument_group(f"{role} options: {text}")
-        for a in [a for a in group if roles.get(a.dest) == role]:
+    groups = {f.name: f.metadata["group"] for f in fields(cls) if f.name in own and "group" in f.metadata}
+    for key, heading in GROUPS.items() if groups else ():  # one --help section per group, in GROUPS' order
+        section = parser.add_argument_group(heading)
+        for a in [a for a in group if groups.get(a.dest) == key]:
             group.remove(a)
             section._group_actions.append(a)
     if first is not None:
+        help_all = parser.add_argument("--help-all", "--help_all", action=_HelpAll,
+                                       help=f"show this help with the {first.__name__} options too, and exit")
+        group.remove(help_all)
+        group.insert(1, help_all)  # after -h
         heading = parser.add_argument_group(f"{first.__module__.split('.')[0]} {first.__name__} options")
+        names = sorted({a.dest for a in moved})
+        examples = ", ".join(f"--{n}" for n in _EXAMPLES if n in names)
+        examples = f" (e.g. {examples})" if examples else ""
+        heading.description = textwrap.fill(f"{len(names)} more options, each with its {first.__name__} name "
+                                            f"and meaning{examples}; --help-all lists them.", 76,
+                                            subsequent_indent="  ")  # no line starts as an option line does
+        help_all.pointer = heading
         for a in moved:
             group.remove(a)
             heading._group_actions.append(a)
+            help_all.hidden.append((a, a.help))
+            a.help = argparse.SUPPRESS
     return parser
 
 

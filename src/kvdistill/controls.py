@@ -189,13 +189,23 @@ class TextPermutation:
     def __call__(self, record: Mapping[str, Any]) -> dict[str, Any]:
         """A record as the permuted teacher reads it: every text column rewritten (question, answer,
         rationales) and the question's field spans moved onto the rewritten text."""
-        out = {k: self.apply(v)[0] if isinstance(v, str) else v for k, v in record.items()}
+        out = {k: self._rewrite(v) for k, v in record.items()}
         if record.get(token_fields.FIELD_KEY):
             _, edits = self.apply(record["question"])
             out[token_fields.FIELD_KEY] = tuple(
                 (name, tuple((_move(s, edits, False), _move(e, edits, True), v) for s, e, v in spans))
                 for name, spans in token_fields.freeze(record[token_fields.FIELD_KEY]))
         return out
+
+    def _rewrite(self, value: Any) -> Any:
+        """A text column rewritten; a conversation (`data`'s `((role, content), ...)`) gets its contents
+        rewritten, its roles kept; anything else (token_fields, numbers) as it is."""
+        if isinstance(value, str):
+            return self.apply(value)[0]
+        if isinstance(value, tuple) and value and all(
+                isinstance(m, tuple) and len(m) == 2 and all(isinstance(x, str) for x in m) for m in value):
+            return tuple((role, self.apply(content)[0]) for role, content in value)
+        return value
 
     def describe(self) -> dict[str, Any]:
         """What a capture made under this permutation records (its map, in full)."""

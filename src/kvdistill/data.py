@@ -1,13 +1,15 @@
-"""GSM8K-format data: loading, prompt formatting, tokenisation with segments, batching.
+"""Data: loading, prompt formatting, tokenisation with segments, batching.
 
-A record is `{"question": str, "answer": str}` where `answer = rationale + "#### <number>"`.
-Segments (prompt / reasoning / answer) are found from *character* offsets of the formatted
-text, so the same text gets consistent segments under any tokenizer: this is what lets the
-time alignment match a teacher and a student that tokenize differently.
+A record is in one of four formats (`kvdistill.formats`, docs/data.md): question/answer (GSM8K,
+`{"question": str, "answer": str}` with `answer = rationale + "#### <number>"`), messages,
+prompt/completion or text. Segments (prompt / reasoning / answer) are found from *character* offsets
+of the formatted text, so the same text gets consistent segments under any tokenizer: this is what
+lets the time alignment match a teacher and a student that tokenize differently.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import warnings
@@ -21,8 +23,9 @@ import torch
 from torch import Tensor
 
 from kvdistill import fields as token_fields
+from kvdistill import formats
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING
-from kvdistill.config import UserError
+from kvdistill.formats import DataError, describe_format, record_format  # noqa: F401 (data's public names)
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 ANSWER_MARKER = "####"
@@ -40,49 +43,57 @@ FIELD_MAPS: dict[str, dict[str, str]] = {
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-class DataError(UserError, ValueError):
-    """Bad data input; the message names the problem and the fix."""
-
-
 # ----------------------------------------------------------------------------- loading
 
 
 def load_records(
-    source: str | os.PathLike,
+    source: str | os.PathLike | Any,
     split: str = "train",
     field_map: Mapping[str, str] | str | None = None,
     limit: int | None = None,
     extra_fields: Sequence[str] = (),
     require_final: bool = False,
+    dataset_format: str = "auto",
 ) -> list[dict]:
-    """Load GSM8K-format records from a Hub id, a local file or a directory.
+    """Load records from a Hub id, a local file, a directory or a `datasets.Dataset`.
 
+    The format is detected from the columns (`formats.detect_format`: question/answer first, then
+    messages, prompt/completion, text), or named by `dataset_format` or by a `field_map`'s keys.
     Every record is checked where it is read: a line that is not UTF-8 or not a JSON object, a
-    record without a question or answer, an empty question, or (with `require_final`) an answer
-    that does not say which part is its final answer, is a `DataError` naming the file and line.
+    record without a value in one of its format's columns, an empty question (completion, text,
+    assistant turn), or (with `require_final`) an answer that does not say which part is its final
+    answer, is a `DataError` naming the file and line.
 
     Args:
         source: "openai/gsm8k" (Hub, config "main"), a local .jsonl/.json/.parquet file, a
-            directory holding `<split>.jsonl` (or .json/.parquet), or "synthetic" (generated).
+            directory holding `<split>.jsonl` (or .json/.parquet), "synthetic" (generated), or a
+            `datasets.Dataset` / `IterableDataset` / `DatasetDict` or a list of dicts (`records_from_dataset`).
         split: which split to load.
-        field_map: `{"question": col, "answer": col}` or a name from `FIELD_MAPS`.
+        field_map: `{our column: their column}`: `{"question": col, "answer": col}` or a name from
+            `FIELD_MAPS` for question/answer data; e.g. `{"messages": "conversations"}` for another format.
         limit: keep the first `limit` records.
         extra_fields: further columns to keep (e.g. per-teacher rationales).
         require_final: labelled training records: every answer must end in `#### <final answer>`
             or be a one-line final answer (else its rationale would be learned as the answer).
+            Question/answer records only: the other formats have no final answer (`has_finals`).
+        dataset_format: "auto" or one of `formats.FORMATS`.
 
     Returns:
-        list of `{"question", "answer", *extra_fields}` dicts.
+        list of dicts: `{"question", "answer"}`, `{"messages"}`, `{"prompt", "completion"}` or `{"text"}`
+        (message lists as tuples of `(role, content)`), each with its `extra_fields`.
     """
     import datasets
 
+    if isinstance(source, (datasets.Dataset, datasets.IterableDataset, datasets.DatasetDict, list, tuple)):
+        return records_from_dataset(source, split, field_map, limit, extra_fields, require_final, dataset_format)
     if str(source) == "synthetic":
         from kvdistill.synthetic import make_splits
 
+        if dataset_format not in ("auto", formats.QUESTION_ANSWER):
+            raise DataError(f"synthetic data is question_answer records, not dataset_format {dataset_format!r}")
         train, test = make_splits(2000, 500, seed=0)
         records = train if split == "train" else test
         return records[:limit] if limit else records
-    fmap = FIELD_MAPS[field_map] if isinstance(field_map, str) else dict(field_map or FIELD_MAPS["gsm8k"])
     path = Path(source)
     if path.is_dir():
         files = [path / f"{split}{ext}" for ext in _LOCAL_FORMATS]
@@ -113,16 +124,68 @@ def load_records(
                 "without network, pass a local jsonl/parquet file or directory, or 'synthetic'"
             ) from err
         rows, columns = _dataset_rows(ds, str(source), limit), ds.column_names
+    return _records(str(source), split, rows, columns, field_map, limit, extra_fields, require_final, dataset_format)
+
+
+def records_from_dataset(
+    ds: Any,
+    split: str = "train",
+    field_map: Mapping[str, str] | str | None = None,
+    limit: int | None = None,
+    extra_fields: Sequence[str] = (),
+    require_final: bool = False,
+    dataset_format: str = "auto",
+    source: str = "dataset",
+) -> list[dict]:
+    """Records of an in-memory `datasets.Dataset` (or `IterableDataset`, or a list of dicts; a `DatasetDict`
+    gives its `split`), checked and converted as `load_records` does a file's; `source` names it in errors."""
+    import datasets
+
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"{source} has no split {split!r} (has {sorted(ds)}); pass split=<one of them>")
+        ds = ds[split]
+    if isinstance(ds, datasets.Dataset):
+        rows, columns = _dataset_rows(ds, source, limit), ds.column_names
+    else:  # streamed, or plain Python rows: read up to `limit` of them (all without one)
+        taken = ds if limit is None else itertools.islice(ds, max(limit, 0))
+        rows = [(f"{source} record {i}", row) for i, row in enumerate(taken)]
+        for where, row in rows:
+            if not isinstance(row, Mapping):
+                raise DataError(f"{where} is a {type(row).__name__}, not a mapping of column names to values")
+        columns = getattr(ds, "column_names", None) or sorted({key for _, row in rows for key in row})
+    return _records(source, split, rows, columns, field_map, limit, extra_fields, require_final, dataset_format)
+
+
+def _records(source: str, split: str, rows: Sequence[tuple[str, Mapping]], columns: Sequence[str],
+             field_map: Mapping[str, str] | str | None, limit: int | None, extra_fields: Sequence[str],
+             require_final: bool, dataset_format: str) -> list[dict]:
+    """The checked records of `rows` (`(where, row)`), in the format their columns say."""
+    if isinstance(field_map, str):
+        if field_map not in FIELD_MAPS:
+            raise DataError(f"field_map {field_map!r} is not a known name {sorted(FIELD_MAPS)}; give a mapping "
+                            "{question: <column>, answer: <column>}")
+        field_map = FIELD_MAPS[field_map]
     if not rows:
         raise DataError(f"{source} holds no {split} records" + (f" (limit {limit})" if limit is not None else "")
-                        + "; give a file with at least one {\"question\", \"answer\"} record")
+                        + "; give a file with at least one {\"question\", \"answer\"} record (or another format's: "
+                        f"{formats.accepted()})")
+    fmt, fmap = formats.detect_format(columns, source, dataset_format, field_map)
     missing = [c for c in [*fmap.values(), *extra_fields] if c not in columns]
     if missing:
-        raise DataError(
-            f"{source}: columns {missing} not found (has {columns}); set a field_map such as "
-            '{"question": "<col>", "answer": "<col>"}'
-        )
-    return [_record(where, row, fmap, extra_fields, require_final) for where, row in rows]
+        example = ("{" + ", ".join(f'"{c}": "<col>"' for c in formats.COLUMNS[fmt]) + "}")
+        raise DataError(f"{source}: columns {missing} not found (has {sorted(columns)}); set a field_map such as "
+                        f"{example}")
+    if fmt == formats.QUESTION_ANSWER:
+        return [_record(where, row, fmap, extra_fields, require_final) for where, row in rows]
+    records = []
+    for where, row in rows:
+        rec = {**formats.to_record(where, row, fmt, fmap), **{f: row[f] for f in extra_fields}}
+        if record_format(rec) != fmt:  # an extra field named like another format's column
+            raise DataError(f"{source}: extra_fields {list(extra_fields)} make its {fmt} records read as "
+                            f"{record_format(rec)}; rename those columns")
+        records.append(rec)
+    return records
 
 
 def read_jsonl_records(path: Path) -> list[tuple[str, dict]]:
@@ -189,6 +252,20 @@ def _first_line(err: Exception) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else ""
 
 
+def has_finals(records: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether `records` have final answers to score (accuracy, `fusion: correctness`, on-policy prompts):
+    only question/answer records do (`#### <final>`); for messages, prompt/completion and text records
+    evaluation by final answer does not apply, and a caller refuses it with `require_finals`."""
+    return bool(records) and all(record_format(r) == formats.QUESTION_ANSWER for r in records)
+
+
+def require_finals(records: Sequence[Mapping[str, Any]], purpose: str) -> None:
+    """A one-line `DataError` when `records` have no final answers for `purpose` (e.g. "accuracy_eval_steps")."""
+    if records and not has_finals(records):
+        raise DataError(f"{purpose} scores final answers ('#### <final>' of question_answer records); these are "
+                        f"{record_format(records[0])} records, which have none: turn {purpose} off")
+
+
 # ----------------------------------------------------------------------------- formatting
 
 
@@ -221,6 +298,9 @@ def shorten_rationale(record: Mapping[str, Any], student_input: str) -> dict[str
     kind, k = parse_student_input(student_input)
     if kind == "full":
         return dict(record)
+    if record_format(record) != formats.QUESTION_ANSWER:
+        raise DataError(f"student_input {student_input} shortens a question_answer record's rationale; a "
+                        f"{record_format(record)} record has none: use student_input full")
     rationale, final = split_answer(str(record["answer"]))
     kept = LATENT_TOKEN * k if kind == "latent" else "\n".join(rationale.splitlines()[:k])
     return {**record, "answer": f"{kept}\n{ANSWER_MARKER} {final}" if kept else f"{ANSWER_MARKER} {final}"}
@@ -248,12 +328,16 @@ class Formatted:
     rest the answer (`\\n#### 42`). `shared [len(text)]`, when the prompt is a chat template's, is
     each character's index in the plain-template text of the same record (`UNSHARED` for the
     template's own characters): the coordinates every reader of the record shares, whatever its prompt.
+    `segments [len(text)]`, when set, is every character's segment instead: a conversation's assistant
+    turns are several spans, with prompt (user turns) between them; `prompt_end` is then where the first
+    learned character is.
     """
 
     text: str
     prompt_end: int
     reasoning_end: int
     shared: Tensor | None = None
+    segments: Tensor | None = None
 
     def shared_ends(self, ends: Tensor) -> Tensor:
         """Token ends `[T]` (characters of `text`, `NO_CHAR` for special tokens) in shared coordinates."""
@@ -281,12 +365,23 @@ def format_example(
     tokenizer: Any = None,
     rationale_field: str | None = None,
 ) -> Formatted:
-    """Format a record as prompt + " " + rationale + "\\n#### " + final.
+    """Format a question/answer record as prompt + " " + rationale + "\\n#### " + final.
 
     `rationale_field` names a column with another rationale (e.g. a teacher's own chain of
     thought) to use instead of the reference one; its `####` final answer wins if it has one,
     and a text without `####` is all rationale (the reference final answer stays).
+
+    The other formats (docs/data.md): prompt/completion is `prompt + completion` (the completion is the
+    answer segment), text is all answer, and a conversation is `tokenizer`'s chat template if it has one
+    (whatever `use_chat_template` says: conversational data is written for it), else the plain rendering;
+    `template` and `####` mean nothing to them.
     """
+    fmt = record_format(record)
+    if fmt != formats.QUESTION_ANSWER:
+        if rationale_field is not None:
+            raise DataError(f"rationale_field {rationale_field!r} replaces a question_answer record's rationale; "
+                            f"a {fmt} record has none: drop the teacher's rationale_field")
+        return _format_other(record, fmt, tokenizer)
     rationale, final = split_answer(str(record["answer"]))
     if rationale_field is not None:
         if rationale_field not in record:
@@ -300,6 +395,31 @@ def format_example(
     text = f"{prompt}{reasoning}\n{ANSWER_MARKER} {final}"
     shared = None if prompt == plain else shared_chars(prompt, plain, question, len(text))
     return Formatted(text, len(prompt), len(prompt) + len(reasoning), shared)
+
+
+def _format_other(record: Mapping[str, Any], fmt: str, tokenizer: Any) -> Formatted:
+    """A messages, prompt/completion or text record as `Formatted` (its learned text is the answer segment)."""
+    if fmt == formats.TEXT:
+        return Formatted(str(record["text"]), 0, 0)
+    if not formats.is_conversational(record):  # standard prompt/completion: the texts joined as given (as TRL)
+        prompt = str(record["prompt"])
+        return Formatted(prompt + str(record["completion"]), len(prompt), len(prompt))
+    messages, learned = formats.conversation(record)
+    if _has_template(tokenizer):
+        r = formats.render_chat(tokenizer, messages, learned)
+        shared = torch.full((len(r.text),), UNSHARED, dtype=torch.long)  # the template's own text
+        for start, end, plain_start in r.shared:
+            shared[start:end] = torch.arange(plain_start, plain_start + end - start)
+    else:
+        r, shared = formats.render_plain(messages, learned)[0], None
+    seg = torch.full((len(r.text),), PROMPT, dtype=torch.long)
+    for start, end in r.learned:
+        seg[start:end] = ANSWER
+    return Formatted(r.text, r.learned[0][0], r.learned[0][0], shared, seg)
+
+
+def _has_template(tokenizer: Any) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
 def shared_chars(prompt: str, plain: str, question: str, n: int) -> Tensor:
@@ -318,6 +438,8 @@ def shared_chars(prompt: str, plain: str, question: str, n: int) -> Tensor:
 
 def char_segments(f: Formatted) -> Tensor:
     """Segment id of every character of `f.text`: `[len(text)]`."""
+    if f.segments is not None:
+        return f.segments
     seg = torch.full((len(f.text),), ANSWER, dtype=torch.long)
     seg[: f.reasoning_end] = REASONING
     seg[: f.prompt_end] = PROMPT
@@ -329,22 +451,36 @@ def token_segments(tokenizer: Any, f: Formatted, chat: bool) -> tuple[list[int],
     every token in a segment. Returns `ids`, `ends [T]` (each token's last character, -1 for special
     tokens) and `seg [T]`. A token belongs to the segment of its *last* character: " 17" after the
     prompt's "Answer:" is a reasoning token, so the LM loss learns to emit it; special tokens read
-    as prompt, and cummax gives one after the prompt (a chat template's end-of-turn) its neighbour's."""
+    as prompt before the first character and take the segment of the token before them after it (a
+    chat template's end-of-turn, when the tokenizer gives it no characters)."""
     enc = tokenizer(f.text, return_offsets_mapping=True, add_special_tokens=not chat, truncation=False)
     ends = torch.tensor([e - 1 if e > s else NO_CHAR for s, e in enc["offset_mapping"]], dtype=torch.long)  # [T]
-    seg = torch.where(ends >= 0, char_segments(f)[ends.clamp(min=0)], torch.tensor(PROMPT))  # [T]
-    return list(enc["input_ids"]), ends, torch.cummax(seg, dim=0).values
+    # forward fill from the last token with characters: segments of a conversation are not monotone,
+    # so a running max (which this equals on question/answer text) would learn the user turns after the first
+    at = torch.arange(len(ends))
+    last = torch.cummax(torch.where(ends >= 0, at, -1), dim=0).values if len(ends) else at  # [T]
+    seg = char_segments(f)[ends[last.clamp(min=0)].clamp(min=0)]  # [T]
+    seg = torch.where(last >= 0, seg, torch.tensor(PROMPT))
+    return list(enc["input_ids"]), ends, seg
 
 
 def prompt_reads(student: Any, teachers: Mapping[str, Any], template: str = DEFAULT_TEMPLATE,
-                 use_chat_template: bool = False) -> str:
+                 use_chat_template: bool = False, example: Mapping[str, Any] | None = None) -> str:
     """One line naming the prompt the student and each teacher read (`teachers`: name -> tokenizer, None for
     one that reads the student's tokens). Under `use_chat_template` each reader takes its own chat template
-    if it has one and `template` otherwise; their tokens are paired on the characters they share."""
+    if it has one and `template` otherwise; their tokens are paired on the characters they share.
+    `example`, one record of the data, says its format (question/answer when None): a conversation takes
+    each reader's chat template whatever `use_chat_template` says, other formats are read as given."""
+    fallback = f"prompt_template {template!r}"
+    if example is not None and formats.is_conversational(example):
+        use_chat_template, fallback = True, "the plain rendering ('Role: content' lines)"
+    elif example is not None and record_format(example) != formats.QUESTION_ANSWER:
+        return f"prompts: every reader reads the {record_format(example)} records' text as given"
+
     def reads(tok: Any) -> str:
         if use_chat_template and getattr(tok, "chat_template", None):
             return "its chat template"
-        return f"prompt_template {template!r}" + (" (it has no chat template)" if use_chat_template else "")
+        return fallback + (" (it has no chat template)" if use_chat_template else "")
 
     parts = [f"student reads {reads(student)}"]
     parts += [f"teacher {n} reads " + ("the student's tokens" if tok is None else reads(tok)) for n, tok in teachers.items()]
@@ -374,8 +510,12 @@ def tokenize_example(
             f"{type(tokenizer).__name__} is a slow tokenizer: segments need character offsets "
             "(`return_offsets_mapping`); load it with use_fast=True"
         )
-    f = format_example(record, template, tokenizer if use_chat_template else None, rationale_field)
-    ids, ends, seg = token_segments(tokenizer, f, use_chat_template and bool(getattr(tokenizer, "chat_template", None)))
+    # the text is the reader's chat template's (which holds its own special tokens): a conversation's whatever
+    # `use_chat_template` says (`format_example`), a question/answer prompt's under it; never a plain text's
+    templated = formats.is_conversational(record) or (use_chat_template and record_format(record) == formats.QUESTION_ANSWER)
+    chat = templated and _has_template(tokenizer)
+    f = format_example(record, template, tokenizer if chat else None, rationale_field)
+    ids, ends, seg = token_segments(tokenizer, f, chat)
     if ids and tokenizer.eos_token_id is not None and ids[-1] != tokenizer.eos_token_id:
         ids.append(tokenizer.eos_token_id)  # the model learns to stop after the answer
         seg = torch.cat([seg, torch.tensor([ANSWER])])

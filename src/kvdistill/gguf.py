@@ -9,7 +9,6 @@ tokenizer under `$KVDISTILL_CACHE/gguf/<stem>-<sha256[:16]>/`. A second load is 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -19,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from kvdistill.config import UserError
+from kvdistill.io import sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +39,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVDISTILL_CACHE", Path.home() / ".cache" / "kvdistill")) / "gguf"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 @lru_cache(maxsize=32)
 def _digest(path: str, size: int, mtime_ns: int) -> str:  # size and mtime in the key: a rewritten file rehashes
-    return _sha256(Path(path))
+    return sha256_file(path)
 
 
 def _check_file(path: Path) -> None:

@@ -9,6 +9,7 @@ must not record one machine's absolute paths).
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -46,6 +47,15 @@ def to_jsonable(obj: Any) -> Any:
     if hasattr(obj, "tolist"):  # torch tensors, numpy arrays and scalars
         return to_jsonable(obj.tolist())
     return str(obj)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes, read in 4 MiB blocks."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_json(path: str | os.PathLike, default: Any = None) -> Any:

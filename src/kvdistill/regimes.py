@@ -12,6 +12,11 @@ same files whoever builds them (the demo, an ablation, a scratch script).
 `demo.yaml` beside it holds what `kvdistill demo --task <task>` needs besides shapes and training
 recipes (`read_settings`): the data knobs, teacher steps and gate, the SFT curve and the probe audit,
 with a `quick:` block of overrides for the smoke run; `regime_report` writes the demo's report.
+
+`assets/<task>/` ships the regime's trained teachers (an hour and more of CPU each, and a teacher's
+time to its gate differs by >10,000 steps across CPU models): each teacher's model files and its
+training's summary and config, and `manifest.json` with every file's SHA-256, the init record they were
+trained from (`SAVED_SPEC`), the command and the gate accuracy (`ship_teachers`, `install_teacher`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +33,7 @@ import torch
 
 from kvdistill.config import ConfigError, read_yaml
 from kvdistill.data import format_example
-from kvdistill.io import read_json, read_jsonl, write_json_atomic
+from kvdistill.io import REPO_ROOT, read_json, read_jsonl, sha256_file, write_json_atomic
 from kvdistill.models import build_tokenizer, save_random_model
 from kvdistill.synthetic import write_jsonl
 from kvdistill.tasks import binding, modular
@@ -40,6 +46,12 @@ MODEL_KEYS = ("model_type", "tokenizer", "tie_word_embeddings", "data", "sizes")
 EMBED_INITS = {"random": None, "compositional": binding.compose_lines}  # init -> models.save_random_model's embed_init
 SAVED_SPEC = "models.json"  # beside the built models: what they were built from (reuse check)
 GATE_SPLIT = {"teacher_pool": "teacher_dev", "other_task": "other_task_dev"}  # a teacher's split -> its gate split
+ASSETS = REPO_ROOT / "assets"  # assets/<task>/<teacher>/ and assets/<task>/manifest.json
+MANIFEST = "manifest.json"
+# a shipped teacher: the model as `from_pretrained` reads it, and its training's summary (a run dir with
+# them is a finished training: runs.trained) and config (what it was trained with)
+SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json", "train_summary.json", "kvdistill_config.yaml")
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,56 @@ def build_models(spec_path: str | Path, data: str | Path, out: str | Path, seed:
             save_random_model(cfg, toks[m.tokenizer], paths[name], EMBED_INITS[m.init])
     write_json_atomic(out / SAVED_SPEC, made_from)
     return paths
+
+
+def shipped(task: str) -> dict[str, Any]:
+    """`assets/<task>/manifest.json`: `{"init": <SAVED_SPEC record>, "teachers": {name: {"files": {file: sha256},
+    "command", "gate", ...}}}`; `{}` when the task ships none."""
+    return read_json(ASSETS / task / MANIFEST, {})
+
+
+def install_teacher(task: str, name: str, init: Path, dst: Path) -> None:
+    """Copy shipped teacher `name` of `task` to `dst`, after checking each file against its manifest hash and
+    the inits in `init` against the record it was trained from. A `dst` holding that teacher is kept; one
+    holding another teacher, or inits built otherwise (another seed or data knobs), is a `ConfigError`."""
+    manifest, src = shipped(task), ASSETS / task / name
+    entry = manifest["teachers"][name]
+    retrain = "or pass --retrain_teachers to train your own (an hour and more on CPU)"
+    if read_json(init / SAVED_SPEC) != manifest["init"]:
+        raise ConfigError(f"the shipped {task} teachers were trained from the inits of seed {manifest['init']['seed']} "
+                          f"and the data knobs of configs/demo/{task}/demo.yaml as committed; {init} was built "
+                          f"otherwise: run with --seed {manifest['init']['seed']} and those knobs, {retrain}")
+    for file, digest in entry["files"].items():
+        if not (src / file).is_file() or sha256_file(src / file) != digest:
+            raise ConfigError(f"{src / file} is missing or does not match its SHA-256 in {ASSETS / task / MANIFEST} "
+                              f"(a Git LFS pointer or an edited file); restore it with `git checkout -- {src}`, {retrain}")
+    if (dst / "model.safetensors").is_file():
+        if sha256_file(dst / "model.safetensors") == entry["files"]["model.safetensors"]:
+            return
+        raise ConfigError(f"{dst} holds another {name} than the one shipped in {src}; delete {dst.parent.parent} "
+                          f"(what was made from it goes with it), {retrain}")
+    tmp = dst.with_name(f"{dst.name}.partial")  # a killed copy leaves no teacher behind
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    tmp.rename(dst)
+
+
+def ship_teachers(task: str, out: Path, names: list[str], gates: dict[str, tuple[str, float]],
+                  commands: dict[str, list[str]], environment: dict[str, Any]) -> Path:
+    """Write the trained teachers `names` of the demo in `out` to `assets/<task>/` with their manifest
+    (`gates`: name -> (split, accuracy); `commands`: the `kvdistill train` argv each was trained with)."""
+    teachers = {}
+    for name in names:
+        src, dst = out / "teachers" / name, ASSETS / task / name
+        dst.mkdir(parents=True, exist_ok=True)
+        for file in SHIPPED_FILES:
+            shutil.copyfile(src / file, dst / file)
+        split, acc = gates[name]
+        teachers[name] = {"files": {f: sha256_file(dst / f) for f in SHIPPED_FILES},
+                          "command": "kvdistill " + " ".join(commands[name]), "gate": {"split": split, "accuracy": acc},
+                          "train_summary": read_json(src / "train_summary.json")}
+    manifest = {"init": read_json(out / "init" / SAVED_SPEC), "teachers": teachers, "environment": environment}
+    return write_json_atomic(ASSETS / task / MANIFEST, manifest)
 
 
 def check_data(task: str, knobs: dict[str, Any]) -> None:

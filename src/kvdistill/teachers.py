@@ -63,11 +63,14 @@ def load_teacher(spec: Any, student_tokenizer: Any, *, untrained: bool = False, 
                  weights: bool = True) -> Teacher:
     """Load a teacher from a `TeacherConfig`-like spec (path, name, dtype, quantization, tokenizer...).
 
-    `untrained=True` replaces the weights by a random init of the same architecture: the control
-    that tells a distillation gain apart from mere regularisation. `weights=False` builds the
+    A spec that holds a loaded `model` (and tokenizer object) is taken as it is (the Python API); the rest
+    follows the same way. `untrained=True` replaces the weights by a random init of the same architecture:
+    the control that tells a distillation gain apart from mere regularisation. `weights=False` builds the
     architecture on the meta device (no memory): a teacher whose outputs come from a capture.
     """
-    if not weights:
+    if getattr(spec, "model", None) is not None:
+        model = spec.model
+    elif not weights:
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir(spec.path))
@@ -82,6 +85,8 @@ def load_teacher(spec: Any, student_tokenizer: Any, *, untrained: bool = False, 
         model = untrained_copy(model, str(spec.name), seed)
     if spec.tokenizer == "student":
         tokenizer = student_tokenizer
+    elif spec.tokenizer is not None and not isinstance(spec.tokenizer, str):  # a loaded tokenizer
+        tokenizer = spec.tokenizer
     else:
         tokenizer = load_tokenizer(spec.tokenizer or spec.path)
     shares = spec.rationale_field is None and same_tokenizer(tokenizer, student_tokenizer)

@@ -840,12 +840,130 @@ def test_a_hypothesis_named_after_the_runs_is_refused_and_none_is_never_refused(
      "steps_to_threshold needs `threshold:`"),
     ({"primary": {"comparison": ["kv", "baseline"], "alpha": 0.7}}, r"alpha must be in \(0, 0.5\)"),
     ({"primary": {"comparison": ["kv", "baseline"], "tets": "welch"}}, r"unknown keys \['tets'\]"),
+    # a list of tests: each fits the metric, tost among them needs its margin and one reference
+    ({"primary": {"comparison": ["kv", "baseline"], "test": ["paired_t", "logrank"]}},
+     "primary test 'logrank' does not fit metric accuracy; use one of"),
+    ({"primary": {"comparison": ["kv", "baseline"], "metric": "answer_nll", "test": ["paired_t", "tost"]}},
+     "tost needs margin: > 0"),
+    ({"primary": {"comparison": ["kv", ["same", "baseline"]], "test": ["welch", "tost"], "margin": 0.05}},
+     "tost names one reference"),
+    ({"primary": {"comparison": ["kv", "baseline"], "test": []}}, "one test or a list of different tests"),
+    ({"primary": {"comparison": ["kv", "baseline"], "test": ["welch", "welch"]}},
+     "one test or a list of different tests"),
     ({"threshold": 1.5}, r"threshold is a dev accuracy in \(0, 1\]"),
     ({"margin": -0.1}, "margin is an accuracy difference"),
 ])
 def test_primary_and_threshold_config_errors(tmp_path, extra, message):
     with pytest.raises(AblationError, match=message):
         load_ablation_config(_curve_ablation(tmp_path, **extra))
+
+
+# ----------------------------------------------------------------------------- several tests of one primary
+
+_NLL_BASE = [1.50, 1.62, 1.41, 1.55, 1.47]  # Baseline's answer NLL per seed; +KV's is it plus a hand-made shift
+_LABELS = {"kv": "+KV", "baseline": "Baseline (SFT)"}
+_TWO_TESTS = {"comparison": ["kv", "baseline"], "metric": "answer_nll", "test": ["paired_t", "tost"], "margin": 0.1,
+              "paired": True}
+
+
+def _nll_runs(shift):
+    return {"baseline": {s: {"answer_nll": v} for s, v in enumerate(_NLL_BASE)},
+            "kv": {s: {"answer_nll": v + d} for s, (v, d) in enumerate(zip(_NLL_BASE, shift))}}
+
+
+@pytest.mark.parametrize("shift, lines", [
+    # 0.5 lower every seed: paired t rejects, and ±0.1 cannot hold it
+    ([-0.50, -0.52, -0.48, -0.51, -0.49],
+     ["+KV beats Baseline (SFT) on answer NLL at alpha 0.05 (paired t p 2.397e-07)",
+      "+KV and Baseline (SFT) are not shown equivalent within ±0.1 on answer NLL at alpha 0.05 (TOST p 1, 90% CI "
+      "of Δ [-0.5151, -0.4849])"]),
+    # a shift of mean 0 and spread 0.016: no difference shown, equivalence within ±0.1 is
+    ([0.01, -0.01, 0.02, -0.02, 0.0],
+     ["neither shown: +KV vs Baseline (SFT) on answer NLL, paired t p 1 ≥ alpha 0.05",
+      "+KV and Baseline (SFT) are equivalent within ±0.1 on answer NLL at alpha 0.05 (TOST p 7.256e-05, 90% CI "
+      "of Δ [-0.01507, +0.01507])"]),
+    # 0.03 lower, tightly: both hold (a real difference, smaller than what would matter)
+    ([-0.03, -0.031, -0.029, -0.03, -0.03],
+     ["+KV beats Baseline (SFT) on answer NLL at alpha 0.05 (paired t p 7.402e-08)",
+      "+KV and Baseline (SFT) are equivalent within ±0.1 on answer NLL at alpha 0.05 (TOST p 1.249e-09, 90% CI "
+      "of Δ [-0.03067, -0.02933])"]),
+])
+def test_a_primary_of_two_tests_states_each_verdict_and_equals_each_single_test(shift, lines):
+    """`test: [paired_t, tost]` runs both on the same per-seed values and states each, one line each, in the
+    words (and with the results) each test alone registers."""
+    from kvdistill.commands.ablate.summary import primary_result
+
+    runs = _nll_runs(shift)
+    both = parse_primary(_TWO_TESTS, ["kv", "baseline"], None)
+    got = primary_result(both, runs, _LABELS)
+    assert list(got["tests"]) == ["paired_t", "tost"] and got["verdict"].split("\n") == lines
+    assert [got["tests"][t]["verdict"] for t in both.tests] == lines
+    for test in both.tests:  # the list form is each single form, to the byte
+        alone = parse_primary({**_TWO_TESTS, "test": test}, ["kv", "baseline"], None)
+        assert alone == both.single(test)
+        assert json.dumps(primary_result(alone, runs, _LABELS)) == json.dumps(got["tests"][test])
+
+
+def test_a_single_test_primary_keeps_its_record_and_hash():
+    """A single test (and a list of one) is recorded as before: the committed records of earlier sweeps and the
+    hashes the code gave them before lists existed are unchanged."""
+    from kvdistill.evaluate.prereg import config_hash, make_record
+
+    names = ["kv", "baseline", "kv_shuffled"]
+    for spec, digest, record in [
+        ({"comparison": ["kv", "baseline"], "metric": "answer_nll", "test": "paired_t"},
+         "aed869d568b015f4", "44372903a493ef23"),
+        ({"comparison": ["kv", "baseline"], "metric": "answer_nll", "test": ["paired_t"]},
+         "aed869d568b015f4", "44372903a493ef23"),
+        ({"comparison": ["kv", ["baseline", "kv_shuffled"]], "metric": "answer_nll"},
+         "23f19facaa94ca4e", "aa510cc78d8ff797"),
+        ({"comparison": ["kv", "baseline"], "test": "tost", "margin": 0.1, "paired": True},
+         "9eb94c517ad136c8", "f72a3ac8cb8f19b4"),
+    ]:
+        p = parse_primary(spec, names, None)
+        assert isinstance(p.test, str) and config_hash(p.to_dict()) == digest
+        assert config_hash(make_record("h", p, {"seeds": [0, 1, 2]})) == record
+    assert json.dumps(parse_primary(spec, names, None).to_dict()) == (
+        '{"comparison": ["kv", "baseline"], "metric": "accuracy", "test": "tost", "alpha": 0.05, "margin": 0.1, '
+        '"paired": true}')
+    # the committed records: each evidence YAML's primary written now is the one on disk, to the byte
+    root = Path(__file__).resolve().parents[2]
+    checked = 0
+    for path in sorted((root / "docs" / "results").glob("evidence*/preregistration.json")):
+        yaml_path = root / "configs" / "demo" / f"{path.parent.name}.yaml"
+        saved = json.loads(path.read_text())["primary"]
+        if saved is None or not yaml_path.exists():
+            continue
+        assert json.dumps(load_ablation_config(yaml_path).primary.to_dict()) == json.dumps(saved), path
+        checked += 1
+    assert checked
+
+
+def test_a_registered_sweep_of_two_tests_records_the_list_and_reports_each(tmp_path):
+    """`test: [paired_t, tost]` end to end: preregistration.json records the list; ablation.json holds each
+    test's results and verdict; ablation.md leads with one **Primary result** line per test."""
+    primary = {"comparison": ["kv", "baseline"], "metric": "answer_nll", "test": ["paired_t", "tost"],
+               "margin": 0.1, "paired": True}
+    abl = _curve_ablation(tmp_path, primary=primary, hypothesis="KV lowers answer NLL, by more than 0.1")
+    fake = CurveRuns({"baseline": 0.3, "kv": 0.7, "same": 0.3})
+    report = run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    saved = json.loads((tmp_path / "out" / "preregistration.json").read_text())["primary"]
+    assert saved == {"comparison": ["kv", "baseline"], "metric": "answer_nll", "test": ["paired_t", "tost"],
+                     "alpha": 0.05, "margin": 0.1, "paired": True}
+    prim = json.loads((tmp_path / "out" / "ablation.json").read_text())["primary"]
+    assert prim["verdict"] == report["primary"]["verdict"] and list(prim["tests"]) == ["paired_t", "tost"]
+    beat, equal = (prim["tests"][t]["verdict"] for t in ("paired_t", "tost"))
+    assert beat.startswith("+KV beats Baseline (SFT) on answer NLL at alpha 0.05 (paired t p")
+    assert equal.startswith("+KV and Baseline (SFT) are not shown equivalent within ±0.1 on answer NLL")
+    assert prim["verdict"] == f"{beat}\n{equal}"
+    md = (tmp_path / "out" / "ablation.md").read_text()
+    lead = md.split("Base config")[0]
+    assert (f"**Primary result** (answer NLL, paired t, alpha 0.05): {beat}.\n\n"
+            f"**Primary result** (answer NLL, tost, alpha 0.05): {equal}.\n\n") in lead
+    section = md.split("## Primary comparison")[1].split("\n| variant")[0]
+    assert -1 < section.index(beat) < section.index(equal) < section.index("(not the registered test)")
+    # the same YAML again: the list is the record in force, nothing is refused
+    run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
 
 
 def test_evidence_configs_load_and_their_committed_reports_render():

@@ -3,6 +3,7 @@
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -190,3 +191,47 @@ def test_per_teacher_settings_of_a_teacher_the_demo_does_not_train_are_refused_b
     with pytest.raises(ConfigError, match=rf"{key}: \['teacher_llama'\] are not teachers this demo trains"):
         demo_main(["--task", "modular", "--output_dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_shipped_teachers_are_copied_checked_and_never_trained(tmp_path, monkeypatch, capsys, in_process):
+    """assets/<task>/ as `--ship_teachers` writes it: a later demo copies each teacher after checking its hashes and
+    the inits it was trained from, trains none, and refuses (one line, naming the file or the seed) a changed file,
+    other inits or an output dir holding another teacher."""
+    from kvdistill import regimes
+
+    calls: list[list[str]] = []
+
+    def record(jobs, workers, logs):
+        calls.extend(argv for commands in jobs.values() for argv in commands)
+        in_process(jobs, workers, logs)
+
+    monkeypatch.setattr(demo, "run_parallel", record)
+    monkeypatch.setattr(regimes, "ASSETS", tmp_path / "assets")
+    regime = demo.Regime.load("binding", quick=True)
+    first = tmp_path / "first"
+    demo.run_regime(first, regime, ship=True)  # what --ship_teachers does (its tiny teachers, for speed)
+    manifest = json.loads((tmp_path / "assets" / "binding" / "manifest.json").read_text())
+    assert set(manifest["teachers"]) == {"teacher_qwen2", "teacher_other"}
+    assert manifest["teachers"]["teacher_qwen2"]["command"].startswith("kvdistill train --config ")
+    calls.clear()
+    capsys.readouterr()
+    second = tmp_path / "second"
+    demo.run_regime(second, regime)  # quick's settings, shipped teachers
+    assert f"teachers (teacher_other, teacher_qwen2 copied from {tmp_path / 'assets' / 'binding'}" in capsys.readouterr().out
+    trained = [Path(argv[argv.index("--output_dir") + 1]) for argv in calls if argv[0] == "train"]
+    assert [p.name for p in trained] == ["sft_curve"]  # the student's curve only
+    for name in ("teacher_qwen2", "teacher_other"):
+        assert ((second / "teachers" / name / "model.safetensors").read_bytes()
+                == (first / "teachers" / name / "model.safetensors").read_bytes())
+    asset = tmp_path / "assets" / "binding" / "teacher_qwen2" / "model.safetensors"
+    third = tmp_path / "third"
+    with pytest.raises(ConfigError, match="seed 0 and the data knobs"):
+        demo.run_regime(third, regime, seed=1)
+    asset.write_bytes(asset.read_bytes()[:-1] + b"\0")
+    with pytest.raises(ConfigError, match=r"teacher_qwen2/model.safetensors is missing or does not match its SHA-256"):
+        demo.run_regime(tmp_path / "fourth", regime)
+    shutil.copyfile(first / "teachers" / "teacher_other" / "model.safetensors", asset)  # another teacher's weights
+    manifest["teachers"]["teacher_qwen2"]["files"]["model.safetensors"] = regimes.sha256_file(asset)
+    (tmp_path / "assets" / "binding" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"holds another teacher_qwen2 than the one shipped"):
+        demo.run_regime(second, regime)

@@ -13,8 +13,9 @@ import torch
 from kvdistill.align.aligner import KVAligner
 from kvdistill.align.layer_map import proportional_map
 from kvdistill.cache import KVCache
-from kvdistill.commands.dry_run import GIB, dry_run, main, model_config_path, parse_dry_run
+from kvdistill.commands.dry_run import dry_run, main, parse_dry_run
 from kvdistill.config import ConfigError
+from kvdistill.memory import GIB, model_config_path
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "qwen2.5-0.5b_from_qwen2-1.5b+7b.yaml"
@@ -216,3 +217,22 @@ def test_the_training_doc_shows_the_recipes_dry_run_output(recipe):
     pasted = doc.split("pasted unchanged: re-run it after changing the recipe -->")[1].split("<!-- end of")[0]
     body = text.split("\n", 1)[1].split("report written to")[0]  # after the config line, before the JSON path
     assert pasted.strip().split("\n", 1)[1].strip() == body.strip()
+
+
+def test_the_one_teacher_gpu_recipe_dry_runs(tmp_path, capsys):
+    """The README's "distil your own pair" recipe as shipped: its config validates and sizes on the meta device."""
+    assert main(["--config", str(ROOT / "configs" / "qwen2.5-0.5b_from_qwen2-1.5b.yaml"), "--output_dir",
+                 str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "dry_run.json").read_text())
+    assert [m["name"] for m in report["models"]] == ["Qwen2.5-0.5B", "Qwen2-1.5B"]
+
+
+def test_the_recipes_read_the_map_names_layer_map_writes():
+    """One `kvdistill layer-map` over both teachers writes the files the two-teacher recipe names."""
+    import yaml
+
+    from kvdistill.commands.layer_map import output_paths
+
+    recipe = yaml.safe_load(RECIPE.read_text())
+    teachers = [t["path"] for t in recipe["teachers"]]
+    assert [str(p) for p in output_paths("maps/qwen.json", teachers)] == [t["layer_map"] for t in recipe["teachers"]]

@@ -21,6 +21,7 @@ def data_dirs(tiny_world, tmp_path_factory):
     for r in (r for split in rows.values() for r in split):
         r["question2"] = "Please solve: " + r["question"]
         r["rationale"] = "Step by step.\n" + r["answer"]
+        r["text"] = f"{r['question']} {r['answer']}"  # auto reads question/answer; dataset_format text this
     for name, order in (("a", SPLITS), ("b", SPLITS[::-1])):
         (root / name).mkdir()
         for split, source in zip(SPLITS, order):
@@ -54,6 +55,7 @@ def _recipes(tiny_world, b) -> dict[str, tuple[dict, dict]]:
         "data_split": ({}, {"data_split": "test"}),
         "field_map": ({}, {"field_map": "{question: question2, answer: answer}"}),
         "max_samples": ({}, {"max_samples": 12}),
+        "dataset_format": ({}, {"dataset_format": "text"}),
         "transfer_data": ({}, {"transfer_data": str(b)}),
         "transfer_split": ({}, {"transfer_split": "train"}),
         "transfer_field_map": ({}, {"transfer_field_map": "{question: question2, answer: answer}"}),

@@ -117,7 +117,8 @@ def test_roles_give_the_teacher_signals_bookkeeping_and_card_sections():
 
     assert TEACHER_SIGNALS == ("kv_weight", "codi_weight", "logit_kd_weight")
     assert {"output_dir", "save_strategy", "save_steps", "save_total_limit", "logging_steps",
-                           "disable_tqdm", "report_to", "teacher_capture", "overwrite_output_dir", "resume_from_checkpoint"} == BOOKKEEPING
+                           "disable_tqdm", "report_to", "teacher_capture", "overwrite_output_dir", "resume_from_checkpoint",
+            "allow_low_memory"} == BOOKKEEPING
     sections = card_sections()
     assert "kv_weight" in sections["signals"] and "seed" in sections["training"] and "data" in sections["data"]
 

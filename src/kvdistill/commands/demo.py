@@ -50,7 +50,7 @@ from kvdistill import regimes
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config, read_yaml
 from kvdistill.evaluate.comparisons import accuracy_curve
 from kvdistill.io import REPO_ROOT, read_json, read_jsonl, write_json_atomic, write_text_atomic
-from kvdistill.report import format_environment
+from kvdistill.report import environment, format_environment
 from kvdistill.runs import (
     EVAL_ITEMS,
     EVAL_SUMMARY,
@@ -117,6 +117,10 @@ class DemoConfig:
     workers: int = option(2, "Trainings run at once, one process each (one per CPU core).")
     gate: float | None = option(None, "Teachers' minimum dev accuracy (default 0.90; quick: none).")
     fresh: bool = option(False, "Delete the output directory first.")
+    retrain_teachers: bool = option(False, "binding/modular: train the teachers here (an hour and more on CPU) "
+                                    "instead of copying the ones shipped in assets/<task>/.")
+    ship_teachers: bool = option(False, "binding/modular: write the teachers this demo trained to assets/<task>/ "
+                                 "with their manifest (for maintainers; implies --retrain_teachers).")
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -124,6 +128,11 @@ class DemoConfig:
         self.output_dir = self.output_dir or ("outputs/demo" if self.task == "arithmetic" else f"outputs/demo_{self.task}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        if (self.retrain_teachers or self.ship_teachers) and self.task == "arithmetic":
+            raise ConfigError("--retrain_teachers and --ship_teachers are for --task binding|modular (the arithmetic "
+                              "demo always trains its teachers, a few minutes)")
+        if self.ship_teachers and self.quick:
+            raise ConfigError("--ship_teachers with --quick would ship the smoke run's tiny teachers; drop --quick")
         if self.gate is not None and not 0 <= self.gate <= 1:
             raise ConfigError(f"gate {self.gate} is not an accuracy; set --gate between 0 and 1 (default 0.90)")
 
@@ -301,20 +310,23 @@ def write_report(out: Path, rows: list[dict], curve: dict, transfer: int) -> Pat
 def train_teachers(out: Path, data: Path, init: dict[str, Path], teachers: dict[str, tuple[str, str, int]],
                    config: Path, steps: int, seed: int, workers: int, gate: float,
                    beside: dict[str, list[list[str]]] | None = None,
-                   overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, bool]:
+                   overrides: dict[str, dict[str, Any]] | None = None,
+                   shipped: frozenset[str] = frozenset()) -> tuple[dict[str, bool], dict[str, list[str]]]:
     """Train each teacher `name: (training split, gate split, gate items)` from `init[name]` into
     `out/teachers/<name>` (`workers` at once, each evaluated on its gate split right after its training,
     into `out/eval_<gate split>/<name>`); stop the demo at the first one below `gate`. `beside`: jobs that
     read no teacher, run in the same pool (a core a lone teacher leaves idle); `overrides`: a teacher's own
-    train options over `config` (demo.yaml's teacher_overrides). Returns which teachers were trained now
-    (the others were reused)."""
+    train options over `config` (demo.yaml's teacher_overrides); `shipped`: teachers already copied from
+    assets/ (evaluated, never trained). Returns which teachers were trained now (the others were reused)
+    and the `kvdistill train` argv of each."""
     paths = {name: out / "teachers" / name for name in teachers}
     argvs = {name: ["train", "--config", str(config), "--student", str(init[name]), "--data", str(data),
                     "--data_split", split, "--output_dir", str(paths[name]), "--max_steps", str(steps),
-                    "--seed", str(seed), *flags((overrides or {}).get(name, {}))]
+                    "--seed", str(seed), "--resume_from_checkpoint", "last", *flags((overrides or {}).get(name, {}))]
              for name, (split, _, _) in teachers.items()}
     # everything after this stage reads the teachers: one trained otherwise asks for a fresh output dir
-    jobs = {name: [] if _trained(paths[name], argv, stale=out) else [argv] for name, argv in argvs.items()}
+    jobs = {name: [] if name in shipped or _trained(paths[name], argv, stale=out) else [argv]
+            for name, argv in argvs.items()}
     fresh = {name: bool(commands) for name, commands in jobs.items()}
     for name, (_, split, items) in teachers.items():  # each teacher's gate accuracy right after its training
         if jobs[name] or not evaluated(out / f"eval_{split}" / name):
@@ -326,8 +338,8 @@ def train_teachers(out: Path, data: Path, init: dict[str, Path], teachers: dict[
             raise SystemExit(f"quality gate: teacher {name} reached {acc:.3f} on {split}, {gate - acc:.3f} below the "
                              f"{gate:.2f} gate; train it longer (delete {paths[name]} and raise its steps) or "
                              "lower --gate")
-        print(f"    {name}: {split} accuracy {acc:.3f} (gate {gate:.2f})")
-    return fresh
+        print(f"    {name}: {split} accuracy {acc:.3f} (gate {gate:.2f})" + (" (shipped)" if name in shipped else ""))
+    return fresh, argvs
 
 
 def record_curve(out: Path, curve_run: Path, labelled: int) -> dict:
@@ -457,8 +469,11 @@ def evidence_assets(out: Path, regime: Regime, budget: int) -> str:
     ])
 
 
-def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate: float | None = None) -> Path:
-    """`--task binding|modular`: every stage (skipping finished ones); returns the report path."""
+def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate: float | None = None,
+               retrain: bool = False, ship: bool = False, quick: bool = False) -> Path:
+    """`--task binding|modular`: every stage (skipping finished ones); returns the report path. The teachers
+    shipped in assets/<task>/ are copied, not trained, unless `retrain` (`ship`: retrain and write them there;
+    `quick`'s tiny data has its own tokenizer: it always trains its tiny teachers)."""
     task, s = regime.task, regime.settings
     gate = s.gate if gate is None else gate
     t0, data = time.time(), out / "data"
@@ -475,14 +490,25 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
                   str(curve_run), "--max_steps", str(s.curve_steps), "--accuracy_eval_steps", str(s.curve_every),
                   "--accuracy_eval_limit", str(s.curve_items)]
     curve_job = {} if _trained(curve_run, curve_argv, stale=curve_run) else {"sft_curve": [curve_argv]}
+    manifest = {} if retrain or ship or quick else regimes.shipped(task)
+    shipped = frozenset(regime.teachers) & set(manifest.get("teachers", {}))
+    for name in sorted(shipped):
+        regimes.install_teacher(task, name, out / "init", out / "teachers" / name)
     steps = ", ".join(f"{n} {(s.teacher_overrides or {}).get(n, {}).get('max_steps', s.teacher_steps)} steps"
-                      for n in regime.teachers)
-    _log(f"[3/6] teachers ({steps}), quality gate {gate:.2f} on their held-out splits; beside "
-         f"them [5/6] the SFT learning curve of the student on its {sizes[student_split]} labelled records")
-    fresh = train_teachers(out, data, init, {n: (split, gate_split, sizes[gate_split]) for n, (split, gate_split)
-                                             in regime.teachers.items()},
-                           config_path(f"{task}/teacher.yaml"), s.teacher_steps, seed, workers, gate, curve_job,
-                           s.teacher_overrides)
+                      for n in regime.teachers if n not in shipped)
+    copied = f"{', '.join(sorted(shipped))} copied from {regimes.ASSETS / task} (--retrain_teachers trains them)"
+    _log(f"[3/6] teachers ({'; '.join(x for x in (copied if shipped else '', steps) if x)}), quality gate {gate:.2f} on "
+         f"their held-out splits; beside them [5/6] the SFT learning curve of the student on its "
+         f"{sizes[student_split]} labelled records")
+    fresh, argvs = train_teachers(out, data, init, {n: (split, gate_split, sizes[gate_split]) for n, (split, gate_split)
+                                                    in regime.teachers.items()},
+                                  config_path(f"{task}/teacher.yaml"), s.teacher_steps, seed, workers, gate, curve_job,
+                                  s.teacher_overrides, shipped)
+    gates = {n: (split, read_json(out / f"eval_{split}" / n / EVAL_SUMMARY)["accuracy"])
+             for n, (_, split) in regime.teachers.items()}
+    if ship:
+        path = regimes.ship_teachers(task, out, list(regime.teachers), gates, argvs, environment())
+        print(f"    shipped {', '.join(regime.teachers)} -> {path.parent}")
 
     _log(f"[4/6] probe audit: {s.probe.get('target')} at {s.probe.get('rows')} rows of dev, each teacher beside its "
          "untrained copy")
@@ -502,8 +528,6 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
     curve = record_curve(out, curve_run, sizes[student_split])
 
     _log("[6/6] report")
-    gates = {n: (split, read_json(out / f"eval_{split}" / n / EVAL_SUMMARY)["accuracy"])
-             for n, (_, split) in regime.teachers.items()}
     assets = evidence_assets(out, regime, curve["budget"])
     text = regimes.regime_report(task, out, gates, gate, {n: read_json(p / "probe.json") for n, p in probes.items()}, curve,
                                  assets, {n: read_json(p / "layout.json") for n, p in layouts.items()})
@@ -530,5 +554,6 @@ def main(argv: list[str]) -> int:
     if regime is None:
         run_demo(out, quick=cfg.quick, seed=cfg.seed, workers=cfg.workers, gate=cfg.gate)
     else:
-        run_regime(out, regime, seed=cfg.seed, workers=cfg.workers, gate=cfg.gate)
+        run_regime(out, regime, seed=cfg.seed, workers=cfg.workers, gate=cfg.gate, retrain=cfg.retrain_teachers,
+                   ship=cfg.ship_teachers, quick=cfg.quick)
     return 0

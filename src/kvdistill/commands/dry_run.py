@@ -16,78 +16,42 @@ other Hub id, copy its config.json there. `layer_map: cka` reads each teacher's 
 the dry run does not need: a proportional map of the same shape [L_s, L_t] stands in. It maps every
 student layer, as a CKA top-k map does, so the aligners get the same parameters.
 
-Memory per GPU, in GiB (2**30 bytes). P: parameters; b(dtype): 4 bytes for fp32, 2 for bf16/fp16,
-dtype auto = the dtype in the model's config.json; B = per_device_train_batch_size (+ transfer_batch_size
-with transfer_data); T = max_length (every sequence padded to it: the worst case); L layers,
-H_kv KV heads, D head dim, h hidden size, H*D query width, I MLP width, V vocabulary.
-
-    student weights      P_s * b(student_dtype)          fp32: the master weights, bf16/fp16 autocast on top
-    student grads        P_s * b(student_dtype)          gradients keep the parameter dtype
-    student AdamW        P_s * b(student_dtype) * 2      torch AdamW: exp_avg and exp_avg_sq, parameter dtype
-    autocast copy        P_s * 2                         fp32 weights under bf16/fp16 only: torch.autocast
-                                                         caches a 16-bit copy of each weight for the step
-    student activations  B*T * (L*(4h + 2*H*D + 4*H_kv*D + 4*I)*a + V*(a + 8))      rough, expect +-50 %
-        a = 2 bytes under bf16/fp16 or with a 16-bit student, else 4. Per layer and token: both RMSNorms'
-        inputs and outputs (4h), query and attention output (2*H*D), key and value in the layer and in the
-        stacked cache the KV loss reads (4*H_kv*D), gate, up, SiLU(gate) and their product (4*I); per
-        token the logits plus the cross-entropy's fp32 upcast and log-softmax (V*(a + 8)). Not counted:
-        attention scores (SDPA / flash attention store none), RMSNorm's fp32 temporaries, fragmentation.
-    teacher weights      none: P_t * b(dtype)
-                         4bit: P_lin * 0.5625 + (P_t - P_lin) * b(dtype)   NF4: 4 bits + an fp32 absmax per 64
-                         8bit: P_lin * 1 + (P_t - P_lin) * b(dtype)        LLM.int8 row scales not counted
-        P_lin: weights of the nn.Linear layers bitsandbytes replaces (all but lm_head); embeddings, lm_head,
-        norms and biases keep the teacher's dtype (bf16 for the shipped models).
-        teacher_offload: true keeps teachers in CPU RAM and moves one at a time to the GPU, so of the
-        unquantized teachers only the largest counts; quantized teachers are never moved: each counts.
-        teacher_capture: no teacher weights are loaded.
-    teacher outputs      2 * L * H_kv * D * B * T * b(dtype) (the KV cache of one micro-batch; every
-                         teacher's, they live until the loss), + B*T*V*b(dtype) logits with
-                         logit_kd_weight > 0, + (L+1)*B*T*h*b(dtype) hidden states with codi_weight > 0
-    aligners             P_a * 4 + P_a_trainable * 12        fp32 weights; grads and two AdamW states
-                                                         (CODI projectors included)
-
-Not counted: the CUDA context (about 1 GiB, added before comparing with a card), NCCL buffers under
-DDP (which keeps all of the above on every GPU), the teachers' forward activations (no grad: one layer
-at a time), the aligners' activations (aligned K and V in fp32: megabytes).
+Memory per GPU, in GiB (2**30 bytes): the items and formulas of `kvdistill.memory` (its module docstring
+lists them, and what they leave out), for one micro-batch of B = per_device_train_batch_size
+(+ transfer_batch_size with transfer_data) sequences of T = max_length tokens. `kvdistill train` on CPU adds
+up the same items and compares them with the memory the machine has available before any weight loads.
+Before comparing with a card, the CUDA context (about 1 GiB) is added.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
-from torch import nn
 
 from kvdistill.align.aligner import KVAligner
 from kvdistill.align.layer_map import build_layer_map
-from kvdistill.config import ConfigError, check_output_dir
+from kvdistill.config import check_output_dir
 from kvdistill.io import REPO_ROOT, write_json_atomic
-from kvdistill.models import model_dir, num_layers, resolve_dtype
+from kvdistill.memory import (
+    DTYPE_NAMES,
+    Component,
+    aligner_dims,
+    build_components,
+    codi_params,
+    estimate,
+    kv_dims,
+    kv_shape,
+    meta_aligner,
+    total_gib,
+)
 from kvdistill.report import markdown_table, param_count
 from kvdistill.train.build import check_relation_heads, make_aligner
 from kvdistill.train.config import KVDistillConfig, TeacherConfig, parse_config
 
-MODEL_CONFIGS = REPO_ROOT / "configs" / "models"
-GIB = 2**30
-QUANT_BYTES = {"4bit": 0.5625, "8bit": 1.0}  # bytes per quantized Linear weight (NF4: 0.5 + 4 / 64)
 CARDS_GIB = (24, 40, 48, 80)
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 CUDA_CONTEXT_GIB = 1.0
-
-
-@dataclass
-class Component:
-    """One model of the run, built on the meta device."""
-
-    role: str  # "student" | "teacher"
-    name: str
-    source: Path  # the config.json it was built from
-    model: nn.Module
-    dtype: torch.dtype  # weights dtype (quantized teachers: of the modules bitsandbytes leaves alone)
-    quantization: str | None = None
 
 
 # ----------------------------------------------------------------------------- the config
@@ -140,85 +104,7 @@ def parse_dry_run(argv: list[str]) -> tuple[KVDistillConfig, dict[str, Any]]:
     return cfg, planned
 
 
-# ----------------------------------------------------------------------------- models on the meta device
-
-
-def model_config_path(path: str) -> Path:
-    """The config.json a model path is built from: its own local directory, else the shipped one."""
-    local = Path(model_dir(path)) / "config.json"
-    shipped = MODEL_CONFIGS / Path(str(path).rstrip("/")).name / "config.json"
-    for candidate in (local, shipped):
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(
-        f"no config.json for model {path!r}: neither {shipped} nor {local} exists; copy the model's "
-        f"config.json (from its Hub page) to {shipped}, or point the config at a local model directory"
-    )
-
-
-def meta_model(path: str) -> tuple[nn.Module, Path]:
-    """`AutoModelForCausalLM.from_config` on the meta device: every parameter shaped, none allocated."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    source = model_config_path(path)
-    try:
-        config = AutoConfig.from_pretrained(str(source.parent))
-    except (OSError, ValueError) as err:  # not JSON, no or an unknown model_type
-        raise ConfigError(f"{source} is not a model config transformers can read ({str(err).splitlines()[0]}); "
-                          "copy the model's config.json again") from None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return model, source
-
-
-def text_config(model: nn.Module) -> Any:
-    """The decoder's config (the text config of a multimodal model)."""
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def weight_dtype(dtype: str, model: nn.Module) -> torch.dtype:
-    """A config dtype name as loaded: auto -> the checkpoint's dtype from config.json (fp32 if none)."""
-    resolved = resolve_dtype(dtype)
-    if isinstance(resolved, torch.dtype):
-        return resolved
-    stored = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
-    return getattr(torch, stored) if isinstance(stored, str) else (stored or torch.float32)
-
-
-def kv_dims(model: nn.Module) -> dict[str, int]:
-    """Layers, KV heads and head dim of a model's KV cache (GQA: num_key_value_heads)."""
-    cfg = text_config(model)
-    heads = cfg.num_attention_heads
-    return {
-        "L": num_layers(model),
-        "H_kv": getattr(cfg, "num_key_value_heads", None) or heads,
-        "D": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-    }
-
-
-def build_components(cfg: KVDistillConfig, specs: list[TeacherConfig]) -> list[Component]:
-    """Student and teachers on the meta device, with the dtype and quantization each would load with."""
-    model, source = meta_model(cfg.student)
-    out = [Component("student", Path(cfg.student.rstrip("/")).name, source, model,
-                     weight_dtype(cfg.student_dtype, model))]
-    for s in specs:
-        model, source = meta_model(s.path)
-        out.append(Component("teacher", s.name, source, model, weight_dtype(s.dtype, model), s.quantization))
-    return out
-
-
 # ----------------------------------------------------------------------------- aligners
-
-
-def aligner_dims(teacher: dict[str, int], student: dict[str, int]) -> dict[str, int]:
-    """`kv_dims` of both sides in the keys `KVAligner.build` reads (see `cache_dims`)."""
-    return {
-        "teacher_layers": teacher["L"], "student_layers": student["L"],
-        "teacher_heads": teacher["H_kv"], "student_heads": student["H_kv"],
-        "teacher_key_dim": teacher["D"], "teacher_value_dim": teacher["D"],
-        "student_key_dim": student["D"], "student_value_dim": student["D"],
-    }  # fmt: skip
 
 
 def build_aligner(cfg: KVDistillConfig, spec: TeacherConfig, dims: dict[str, int]) -> KVAligner:
@@ -226,126 +112,9 @@ def build_aligner(cfg: KVDistillConfig, spec: TeacherConfig, dims: dict[str, int
 
     `layer_map: cka` gets a proportional map of the same shape (see the module docstring).
     """
-    from accelerate import init_empty_weights
-
     kind = "proportional" if cfg.layer_map == "cka" else cfg.layer_map
     layer_map = build_layer_map(kind, dims["student_layers"], dims["teacher_layers"], k=cfg.layer_map_k)  # [L_s, L_t]
-    aligner = make_aligner(cfg, spec, layer_map)
-    with init_empty_weights():  # parameters on meta; the layer-map buffers ([L_s, L_t]) stay on the CPU
-        aligner.build(dims)
-    return aligner
-
-
-def codi_params(cfg: KVDistillConfig, teacher: Component, student: Component) -> int:
-    """CODI's `nn.Linear(d_t, d_s)` per teacher (weights + bias), 0 without codi_weight."""
-    if cfg.codi_weight <= 0:
-        return 0
-    d_t, d_s = text_config(teacher.model).hidden_size, text_config(student.model).hidden_size
-    return d_t * d_s + d_s
-
-
-# ----------------------------------------------------------------------------- bytes
-
-
-def nbytes(dtype: torch.dtype) -> int:
-    """Bytes per element of `dtype` (b(dtype) in the module docstring)."""
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
-def linear_weight_params(model: nn.Module) -> int:
-    """Weights of the nn.Linear layers bitsandbytes quantizes: all but the output embedding (lm_head)."""
-    head = model.get_output_embeddings()
-    skip = {id(head.weight)} if head is not None else set()
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) not in skip)
-
-
-def weight_bytes(c: Component) -> float:
-    """Bytes of a model's weights: P * b(dtype), or quantized Linear weights + the rest in b(dtype)."""
-    total = param_count(c.model)
-    if c.quantization is None:
-        return float(total * nbytes(c.dtype))
-    quantized = linear_weight_params(c.model)
-    return quantized * QUANT_BYTES[c.quantization] + (total - quantized) * nbytes(c.dtype)
-
-
-def kv_shape(dims: dict[str, int], B: int, T: int) -> list[int]:
-    """The KV cache shape as `KVCache` holds it: `[L, B, H_kv, T, D]`."""
-    return [dims["L"], B, dims["H_kv"], T, dims["D"]]
-
-
-def teacher_output_bytes(cfg: KVDistillConfig, c: Component, B: int, T: int) -> int:
-    """One micro-batch of a teacher's outputs: K and V, + logits (logit KD), + hidden states (CODI)."""
-    cfg_t, b = text_config(c.model), nbytes(c.dtype)
-    d = kv_dims(c.model)
-    total = 2 * d["L"] * d["H_kv"] * d["D"] * B * T * b  # K and V, [L, B, H_kv, T, D] each
-    if cfg.logit_kd_weight > 0:
-        total += B * T * cfg_t.vocab_size * b  # [B, T, V]
-    if cfg.codi_weight > 0:
-        total += (d["L"] + 1) * B * T * cfg_t.hidden_size * b  # [L+1, B, T, h]
-    return total
-
-
-def activation_bytes(c: Component, B: int, T: int, a: int) -> int:
-    """The student's stored activations, rough (formula in the module docstring)."""
-    cfg, d = text_config(c.model), kv_dims(c.model)
-    h, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q = cfg.num_attention_heads * d["D"]
-    per_layer = 4 * h + 2 * q + 4 * d["H_kv"] * d["D"] + 4 * inter  # values per token and layer
-    return B * T * (d["L"] * per_layer * a + V * (a + 8))
-
-
-# ----------------------------------------------------------------------------- the estimate
-
-
-def _item(item: str, formula: str, value: float, counted: bool = True) -> dict[str, Any]:
-    return {"item": item, "formula": formula, "bytes": int(value), "gib": value / GIB, "counted": counted}
-
-
-def student_items(c: Component, mixed: str | None, B: int, T: int) -> list[dict[str, Any]]:
-    """Weights, grads, AdamW, the autocast copy and the activations of the student."""
-    P, b = param_count(c.model), nbytes(c.dtype)
-    a = 2 if mixed or b == 2 else 4
-    items = [
-        _item("student weights", f"P_s * {b} B", P * b),
-        _item("student grads", f"P_s * {b} B", P * b),
-        _item("student AdamW (2 states)", f"P_s * 2 * {b} B", 2 * P * b),
-    ]
-    if mixed and b == 4:
-        items.append(_item(f"student {mixed} autocast copy", "P_s * 2 B", 2 * P))
-    d = kv_dims(c.model)
-    formula = f"B*T*(L*(4h + 2*H*D + 4*H_kv*D + 4*I)*{a} + V*{a + 8}) B, L={d['L']}"
-    items.append(_item("student activations (rough)", formula, activation_bytes(c, B, T, a)))
-    return items
-
-
-def on_gpu(teachers: list[Component], offload: bool, captured: bool) -> set[str]:
-    """Names of the teachers whose weights sit on the GPU (see teacher_offload in the module docstring)."""
-    if captured:
-        return set()
-    if not offload:
-        return {t.name for t in teachers}
-    plain = [t for t in teachers if t.quantization is None]
-    largest = {max(plain, key=weight_bytes).name} if plain else set()
-    return largest | {t.name for t in teachers if t.quantization is not None}
-
-
-def teacher_items(cfg: KVDistillConfig, teachers: list[Component], B: int, T: int) -> list[dict[str, Any]]:
-    """Each teacher's weights (counted if on the GPU) and one micro-batch of its outputs."""
-    gpu = on_gpu(teachers, cfg.teacher_offload, bool(cfg.teacher_capture))
-    items = []
-    for t in teachers:
-        b = nbytes(t.dtype)
-        formula = (f"P_t * {b} B" if t.quantization is None
-                   else f"P_lin * {QUANT_BYTES[t.quantization]} B + (P_t - P_lin) * {b} B")
-        where = "" if t.name in gpu else (" (captured: not loaded)" if cfg.teacher_capture else " (offloaded)")
-        items.append(_item(f"teacher {t.name} weights{where}", formula, weight_bytes(t), t.name in gpu))
-    for t in teachers:
-        d, b = kv_dims(t.model), nbytes(t.dtype)
-        formula = f"2*{d['L']}*{d['H_kv']}*{d['D']}*B*T * {b} B"
-        formula += f" + B*T*V * {b} B" if cfg.logit_kd_weight > 0 else ""
-        formula += f" + (L+1)*B*T*h * {b} B" if cfg.codi_weight > 0 else ""
-        items.append(_item(f"teacher {t.name} outputs (1 micro-batch)", formula, teacher_output_bytes(cfg, t, B, T)))
-    return items
+    return meta_aligner(make_aligner(cfg, spec, layer_map), dims)
 
 
 def aligner_rows(cfg: KVDistillConfig, specs: list[TeacherConfig], comps: list[Component],
@@ -360,7 +129,7 @@ def aligner_rows(cfg: KVDistillConfig, specs: list[TeacherConfig], comps: list[C
         if cfg.kv_loss == "relation":
             check_relation_heads(cfg, t.name, dims)
         aligners[t.name] = a = build_aligner(cfg, spec, dims)
-        rows.append({"teacher": t.name, **a.param_counts(), "codi": codi_params(cfg, t, student),
+        rows.append({"teacher": t.name, **a.param_counts(), "codi": codi_params(t, student, cfg.codi_weight > 0),
                      "layer_map": f"{kind} [{dims['student_layers']}, {dims['teacher_layers']}]",
                      "projector": a.config["projector"], "mode": cfg.head_mode})
     return aligners, rows
@@ -369,17 +138,16 @@ def aligner_rows(cfg: KVDistillConfig, specs: list[TeacherConfig], comps: list[C
 def dry_run(cfg: KVDistillConfig, planned: dict[str, Any]) -> dict[str, Any]:
     """Build every model and aligner on the meta device; the JSON-able report (`_modules` holds the modules)."""
     specs = cfg.active_teachers
-    comps = build_components(cfg, specs)
+    comps = build_components(cfg.student, cfg.student_dtype, [(s.name, s.path, s.dtype, s.quantization) for s in specs])
     B = cfg.per_device_train_batch_size + (cfg.transfer_batch_size if cfg.transfer_data and specs else 0)
     T = cfg.max_length
     aligners, rows = aligner_rows(cfg, specs, comps, planned)
     mixed = "bf16" if cfg.bf16 else ("fp16" if planned["fp16"] else None)
-    P_a = sum(r["total"] + r["codi"] for r in rows)
-    P_train = sum(r["trainable"] + r["codi"] for r in rows)
-    items = [*student_items(comps[0], mixed, B, T), *teacher_items(cfg, comps[1:], B, T),
-             _item("aligners (fp32 weights + grads + AdamW)", "P_a * 4 B + P_a_trainable * 12 B",
-                   4 * P_a + 12 * P_train)]
-    total = sum(i["bytes"] for i in items if i["counted"]) / GIB
+    items = estimate(comps[0], comps[1:], B=B, T=T, mixed=mixed, logits=cfg.logit_kd_weight > 0,
+                     hidden=cfg.codi_weight > 0, offload=cfg.teacher_offload, captured=bool(cfg.teacher_capture),
+                     aligner_params=sum(r["total"] + r["codi"] for r in rows),
+                     aligner_trainable=sum(r["trainable"] + r["codi"] for r in rows))
+    total = total_gib(items)
     return {
         "config": planned["config"], "batch": {"B": B, "T": T}, "mixed_precision": mixed,
         "teacher_offload": cfg.teacher_offload, "models": [_model_row(c, B, T) for c in comps],

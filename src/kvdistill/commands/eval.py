@@ -17,7 +17,14 @@ from typing import Any
 
 from kvdistill.card import record_evaluation
 from kvdistill.config import ConfigError, check_choice, check_output_dir, option, parse_config, to_plain
-from kvdistill.data import DEFAULT_TEMPLATE, format_example, format_prompt, load_records, shorten_rationale
+from kvdistill.data import (
+    DEFAULT_TEMPLATE,
+    format_example,
+    format_prompt,
+    load_records,
+    require_finals,
+    shorten_rationale,
+)
 from kvdistill.evaluate.scoring import CHAT_MODES, evaluate_model, use_chat, write_results
 from kvdistill.report import environment
 from kvdistill.runs import resolve_model
@@ -171,6 +178,7 @@ def run_eval(
     kwargs.setdefault("chat_template", "off")  # training's default: a base model reads what its student was taught on
     device = resolve_device(device)
     records = load_records(data, split=split, field_map=field_map, limit=limit)
+    require_finals(records, "kvdistill eval")
     student_input = trained.get("student_input", "full")
     if student_input != "full":  # a privileged-mode student never learned the full rationale
         records = [shorten_rationale(r, student_input) for r in records]

@@ -28,7 +28,7 @@ import torch
 
 from kvdistill.commands.eval import _tokenizer_dir, check_lengths, training_prompt_settings
 from kvdistill.config import ConfigError, check_choice, option, parse_config, to_plain
-from kvdistill.data import DEFAULT_TEMPLATE, format_prompt, load_records
+from kvdistill.data import DEFAULT_TEMPLATE, format_prompt, load_records, require_finals
 from kvdistill.evaluate.scoring import (
     CHAT_MODES,
     default_stop_strings,
@@ -114,6 +114,7 @@ def run_generate(cfg: GenerateConfig, log: Callable[[str], None] = print) -> dic
     chat_mode = cfg.chat_template or trained.get("chat_template") or "auto"
     device = resolve_device(cfg.device)
     records = load_records(cfg.data, split=cfg.split, field_map=cfg.field_map, limit=cfg.limit)
+    require_finals(records, "kvdistill generate (its prompts are questions)")
     tokenizer = load_tokenizer(_tokenizer_dir(model_dir))
     model = load_model(model_dir, dtype=cfg.dtype, device=device).eval()
     check_vocab(model, tokenizer, model_dir)

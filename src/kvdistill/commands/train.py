@@ -10,13 +10,30 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from pathlib import Path
 
-from kvdistill.config import UserError, check_output_dir
+import torch
+
+from kvdistill.align.layer_map import build_layer_map
+from kvdistill.config import ConfigError, UserError, check_output_dir
 from kvdistill.io import read_json, write_json_atomic
+from kvdistill.memory import (
+    GIB,
+    WARN_FRACTION,
+    aligner_dims,
+    available_bytes,
+    build_components,
+    check_host_memory,
+    codi_params,
+    estimate,
+    kv_dims,
+    meta_aligner,
+    total_gib,
+)
 from kvdistill.report import environment
 from kvdistill.runs import METRICS, TRAIN_CONFIG, TRAIN_SUMMARY, check_reuse, checkpoints
-from kvdistill.train.build import build_trainer
+from kvdistill.train.build import build_trainer, make_aligner
 from kvdistill.train.config import BOOKKEEPING, KVDistillConfig, parse_config
 
 logger = logging.getLogger(__name__)
@@ -75,9 +92,67 @@ def check_earlier_run(cfg: KVDistillConfig) -> None:
             return
 
 
+def host_estimate_gib(cfg: KVDistillConfig) -> float:
+    """`kvdistill dry-run`'s total for this config as it runs on CPU (`kvdistill.memory`): a 16-bit student
+    counts in fp32 (`cpu_student_dtype` upcasts it) and every teacher counts (offloading moves nothing)."""
+    specs = cfg.active_teachers
+    comps = build_components(cfg.student, cfg.student_dtype, [(s.name, s.path, s.dtype, s.quantization) for s in specs])
+    student, P_a, P_train = comps[0], 0, 0
+    if student.dtype in (torch.float16, torch.bfloat16):
+        student.dtype = torch.float32
+    kind = "proportional" if cfg.layer_map == "cka" else cfg.layer_map  # a CKA map has the same shape
+    for t, spec in zip(comps[1:], specs):
+        if spec.weight == 0:  # logits only: no aligner (as build_trainer)
+            continue
+        dims = aligner_dims(kv_dims(t.model), kv_dims(student.model))
+        layer_map = build_layer_map(kind, dims["student_layers"], dims["teacher_layers"], k=cfg.layer_map_k)
+        counts = meta_aligner(make_aligner(cfg, spec, layer_map), dims).param_counts()
+        codi = codi_params(t, student, cfg.codi_weight > 0)
+        P_a, P_train = P_a + counts["total"] + codi, P_train + counts["trainable"] + codi
+    B = cfg.per_device_train_batch_size + (cfg.transfer_batch_size if cfg.transfer_data and specs else 0)
+    items = estimate(student, comps[1:], B=B, T=cfg.max_length, mixed="bf16" if cfg.bf16 else None,
+                     logits=cfg.logit_kd_weight > 0, hidden=cfg.codi_weight > 0, offload=False,
+                     captured=bool(cfg.teacher_capture), aligner_params=P_a, aligner_trainable=P_train)
+    return total_gib(items)
+
+
+def check_memory(cfg: KVDistillConfig, device: torch.device) -> None:
+    """On CPU, refuse a run whose estimated peak memory exceeds what the machine has available, before any
+    weight loads (the kernel would kill it without a message); warn when it leaves under 15 % headroom.
+    Processes of one machine (`LOCAL_WORLD_SIZE`) each hold a copy. `allow_low_memory` trains anyway."""
+    if device.type != "cpu":
+        return
+    available = available_bytes()
+    if available is None:
+        logger.info("memory check skipped: no MemAvailable in /proc/meminfo on this system")
+        return
+    try:
+        need = host_estimate_gib(cfg) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except Exception as err:  # advisory: a model it cannot size (a Hub id without a local config.json, an
+        # unreadable config, an architecture of other names) is loaded, and refused if need be, as before
+        logger.info("memory check skipped: %s", str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return
+    verdict = check_host_memory(need, available)
+    if verdict is None:
+        return
+    said = (f"training on CPU needs an estimated {need:.1f} GiB of memory at its peak (kvdistill dry-run's items) "
+            f"and this machine has {available / GIB:.1f} GiB available")
+    fixes = ("lower --per_device_train_batch_size or --max_length, train from a capture (--teacher_capture DIR, "
+             "no teacher weights), add --bf16")
+    if verdict == "refuse" and not cfg.allow_low_memory:
+        raise ConfigError(f"{said}: it would be killed without a message; {fixes}, or pass --allow_low_memory "
+                          "true to train anyway")
+    if verdict == "refuse":
+        logger.warning("%s: training anyway (allow_low_memory); it may be killed without a message", said)
+    else:
+        logger.warning("%s: less than %.0f%% headroom for a rough estimate; if it is killed: %s", said,
+                       100 * (1 - WARN_FRACTION), fixes)
+
+
 def main(argv: list[str]) -> int:
     cfg = parse_config(argv)  # a bad config fails here, before any model loads
     check_earlier_run(cfg)
+    check_memory(cfg, cfg.device)  # before the output_dir is made: a refused run leaves nothing behind
     made = not Path(cfg.output_dir).exists()
     check_output_dir(cfg.output_dir)  # and an output_dir it could not write to, before any training
     try:

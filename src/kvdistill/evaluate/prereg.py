@@ -13,6 +13,12 @@ A claim against several arms names them in a list, `comparison: [kv, [baseline, 
 (an intersection-union test, which holds its level without a multiplicity correction: the claim needs all
 of them). Registering SFT beside the controls keeps a control that *hurts* from meeting the claim alone.
 
+Several tests of one comparison name them in a list, `test: [paired_t, tost]` (with `margin: 0.1`,
+`paired: true` for TOST): each runs on the same per-seed values and each gets its verdict, one line each, in the
+words its single-test primary would get. The claims are stated side by side, not combined: "A beats B" by
+paired t and "A and B are not shown equivalent within ±0.1" by TOST can both hold. A single test is recorded
+as before (`test: paired_t`), so earlier sweeps' records keep their hash.
+
 `kvdistill ablate` writes them, with a hash of everything that defines the runs and the analysis,
 to `<output_dir>/preregistration.json` before the first run starts, and refuses to go on in an
 output dir whose runs were made under another hypothesis, primary test or config. The report leads
@@ -25,7 +31,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -47,26 +53,44 @@ METRIC_NAMES = {"accuracy": "accuracy", "answer_nll": "answer NLL", "steps_to_th
 @dataclass
 class Primary:
     """The primary comparison: variant `a` against every one of `b` on `metric` by `test` at `alpha`; `margin`
-    (TOST) in the metric's units; `paired` picks the paired TOST (default Welch)."""
+    (TOST) in the metric's units; `paired` picks the paired TOST (default Welch). `test` is one name or
+    several (each run on the same values, each with its own verdict)."""
 
     a: str
     b: tuple[str, ...]  # one reference, or several: a claim against all of them (intersection-union)
     metric: str = "accuracy"
-    test: str = "paired_t"
+    test: str | tuple[str, ...] = "paired_t"  # one test, or several, in the registered order
     alpha: float = 0.05
     margin: float | None = None
     paired: bool = False
 
+    @property
+    def tests(self) -> tuple[str, ...]:
+        """The registered tests, in order (one for a single-test primary)."""
+        return (self.test,) if isinstance(self.test, str) else self.test
+
+    def single(self, test: str) -> Primary:
+        """The single-test primary of one of the listed `test`s: what `test: <test>` alone registers."""
+        return replace(self, test=test)
+
+    @property
+    def controls_test(self) -> str | None:
+        """The test the reference and controls are judged by: the first listed one that is not TOST (a control
+        is to be beaten, not equalled); None when TOST is all there is."""
+        return next((t for t in self.tests if t != "tost"), None)
+
     def to_dict(self) -> dict[str, Any]:
-        # one reference is written as before, so the records of earlier sweeps keep their hash
+        # one reference and one test are written as before, so the records of earlier sweeps keep their hash
         refs = self.b[0] if len(self.b) == 1 else list(self.b)
-        return {"comparison": [self.a, refs], **{k: v for k, v in asdict(self).items() if k not in ("a", "b")}}
+        test = self.test if isinstance(self.test, str) else list(self.test)
+        return {"comparison": [self.a, refs],
+                **{k: test if k == "test" else v for k, v in asdict(self).items() if k not in ("a", "b")}}
 
 
 def parse_primary(spec: Any, names: Sequence[str], threshold: float | None) -> Primary | None:
     """The YAML `primary:`: `[a, b]` (accuracy, paired t) or `{comparison: [a, b], metric, test,
-    alpha, margin, paired}`; `b` may be a list of variants (a beats every one). Raises `ConfigError`
-    naming the fix."""
+    alpha, margin, paired}`; `b` may be a list of variants (a beats every one), `test` a list of tests (each
+    run and stated; a list of one is that test). Raises `ConfigError` naming the fix."""
     if spec is None:
         return None
     if isinstance(spec, list):
@@ -83,18 +107,26 @@ def parse_primary(spec: Any, names: Sequence[str], threshold: float | None) -> P
             or pair[0] in refs or len(set(refs)) != len(refs)):
         raise ConfigError(f"primary comparison must name two of the variants {list(names)} as [variant, reference] "
                           "(or [variant, [reference, control, ...]]: beats every one)")
-    p = Primary(str(pair[0]), tuple(map(str, refs)),
-                **{k: spec[k] for k in ("metric", "test", "alpha", "margin", "paired") if spec.get(k) is not None})
+    fields = {k: spec[k] for k in ("metric", "test", "alpha", "margin", "paired") if spec.get(k) is not None}
+    if isinstance(fields.get("test"), list):
+        tests = fields["test"]
+        if not tests or not all(isinstance(t, str) for t in tests) or len(set(tests)) != len(tests):
+            raise ConfigError(f"primary test must be one test or a list of different tests, got {tests!r}")
+        fields["test"] = tests[0] if len(tests) == 1 else tuple(tests)  # a list of one registers that test
+    p = Primary(str(pair[0]), tuple(map(str, refs)), **fields)
     if p.metric not in METRICS:
         raise ConfigError(f"primary metric {p.metric!r} is not one of {list(METRICS)}")
-    if p.test not in TESTS_FOR[p.metric]:
-        raise ConfigError(f"primary test {p.test!r} does not fit metric {p.metric}; use one of {list(TESTS_FOR[p.metric])}")
+    for test in p.tests:
+        if test not in TESTS_FOR[p.metric]:
+            raise ConfigError(f"primary test {test!r} does not fit metric {p.metric}; use one of "
+                              f"{list(TESTS_FOR[p.metric])}")
     if not (isinstance(p.alpha, (int, float)) and 0 < p.alpha < 0.5):
         raise ConfigError(f"primary alpha must be in (0, 0.5), got {p.alpha!r}")
-    if p.test == "tost" and not (isinstance(p.margin, (int, float)) and math.isfinite(p.margin) and p.margin > 0):
+    has_tost = "tost" in p.tests
+    if has_tost and not (isinstance(p.margin, (int, float)) and math.isfinite(p.margin) and p.margin > 0):
         raise ConfigError(f"primary test tost needs margin: > 0 (the equivalence bound, in {p.metric} units), "
                           f"got {p.margin!r}")
-    if p.test == "tost" and len(p.b) > 1:
+    if has_tost and len(p.b) > 1:
         raise ConfigError("primary test tost names one reference; a list of references is a claim to beat each")
     if p.metric == "steps_to_threshold" and threshold is None:
         raise ConfigError("primary metric steps_to_threshold needs `threshold:` (the dev accuracy to reach)")
@@ -147,10 +179,20 @@ def preregister(out_dir: str | Path, record: Mapping[str, Any], has_runs: bool,
 # ----------------------------------------------------------------------------- the verdict
 
 
+def primary_verdicts(p: Primary, results: Mapping[str, Mapping[str, Mapping[str, Any]]],
+                     labels: Mapping[str, str]) -> dict[str, str]:
+    """`{test: verdict}` of every registered test, in order: each `primary_verdict` of `p.single(test)` on
+    `results[test]` (each reference's result of that test)."""
+    return {t: primary_verdict(p.single(t), results[t], labels) for t in p.tests}
+
+
 def primary_verdict(p: Primary, results: Mapping[str, Mapping[str, Any]], labels: Mapping[str, str]) -> str:
     """The primary result in words: "A beats B on M at alpha 0.05 (...)", "A and B are equivalent
     within ±m on M ...", or "neither shown ...". `results` holds each reference's test (`stats` results);
-    against several, "A beats every one of B; C on M ..." or "not shown: A does not beat C ..."."""
+    against several, "A beats every one of B; C on M ..." or "not shown: A does not beat C ...". One test:
+    a primary of several is stated test by test (`primary_verdicts`)."""
+    if not isinstance(p.test, str):
+        raise ValueError(f"primary_verdict states one test; {list(p.tests)} are stated by primary_verdicts")
     if len(p.b) > 1:
         return _claim_verdict(p, results, labels)
     result = results[p.b[0]]
@@ -199,10 +241,31 @@ def favours_a(metric: str, test: str, result: Mapping[str, Any]) -> bool:
 
 
 def beats(spec: Mapping[str, Any], result: Mapping[str, Any] | None) -> bool:
-    """a beats b by the registered `spec` (`Primary.to_dict()`): its test significant at its alpha, a's way."""
+    """a beats b by the registered single-test `spec` (`Primary.to_dict()`, or `controls_spec` of several): its
+    test significant at its alpha, a's way."""
     pv = (result or {}).get("p_value")
     return pv is not None and not math.isnan(pv) and pv < spec["alpha"] and favours_a(spec["metric"], spec["test"],
                                                                                       result)
+
+
+def verdict_lines(primary: Mapping[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """`(single-test spec, verdict)` of each registered test of a report's `primary` (`summarize`'s): one for a
+    single-test primary, one per listed test (`primary["tests"]`) for several, none in a report older than
+    verdicts."""
+    spec = dict(primary.get("spec") or {})
+    if "tests" not in primary:
+        return [(spec, primary["verdict"])] if primary.get("verdict") else []
+    return [({**spec, "test": t}, entry["verdict"]) for t, entry in primary["tests"].items()]
+
+
+def controls_spec(spec: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The single-test spec the reference and controls are judged by (`Primary.controls_test`) of a registered
+    `spec` (`Primary.to_dict()`); None without a spec or when TOST is its only test."""
+    if not spec:
+        return None
+    tests = [spec["test"]] if isinstance(spec["test"], str) else spec["test"]
+    test = next((t for t in tests if t != "tost"), None)
+    return None if test is None else {**spec, "test": test}
 
 
 def render_lead(report: Mapping[str, Any]) -> list[str]:
@@ -216,7 +279,7 @@ def render_lead(report: Mapping[str, Any]) -> list[str]:
         lines += [f"**Hypothesis** ({when}; config hash `{reg.get('config_hash')}`): {report['hypothesis']}", ""]
     prim = report.get("primary")
     if prim and prim.get("verdict"):
-        spec = prim["spec"]
-        how = f"{METRIC_NAMES[spec['metric']]}, {spec['test'].replace('_', ' ')}, alpha {spec['alpha']:g}"
-        lines += [f"**Primary result** ({how}): {prim['verdict']}.", ""]
+        for spec, verdict in verdict_lines(prim):  # one line per registered test
+            how = f"{METRIC_NAMES[spec['metric']]}, {spec['test'].replace('_', ' ')}, alpha {spec['alpha']:g}"
+            lines += [f"**Primary result** ({how}): {verdict}.", ""]
     return lines

@@ -19,6 +19,7 @@ Per-token fields (`kvdistill.fields`), character spans of the question, on every
     value  the digit the name resolves to (the probe's target)
     chain  which chain the name belongs to, numbered by first appearance (the oracle's classes)
     name   1 (the row mask of name and query tokens)
+    query  1 on the query's name only (the row mask of the query token)
 
 Deterministic in the seed.
 
@@ -72,7 +73,8 @@ def make_program(rng: random.Random, *, chains: int, depth: int, names: int, ord
     pieces: list[Piece] = []
     for c, lhs, rhs in ordered:
         pieces += [name(lhs, c), "=", rhs if rhs.isdigit() else name(rhs, c), ". "]
-    question, fields = spell([*pieces, "What is ", name(prog[query][1][-1], query), "?"])
+    asked, facts = name(prog[query][1][-1], query)
+    question, fields = spell([*pieces, "What is ", (asked, {**facts, "query": 1}), "?"])
     record = {"question": question, "answer": f"#### {prog[query][0]}", "token_fields": fields}
     return record, prog, query
 

@@ -2,6 +2,10 @@
 and a `KVDistillTrainer`, and a capture's identity. The commands (`train`, `capture`, `dry_run`)
 and the benchmarks call it; no command imports another for these.
 
+Two doors, one path: `load_run` loads the objects a config names by path, `KVDistillTrainer(model=<student>,
+teachers=[TeacherConfig(model=...)], ...)` is given them (`object_inputs`); both hand them to `prepare_run`
+(every check, teacher, collator) and `trainer_inputs` (aligners, fusion, `KVDistillModel`).
+
     run = load_run(cfg)                      # student, tokenizer, records, teachers, collator
     settings = capture_settings(cfg, run)    # what a teacher capture of this run must match
     trainer = build_trainer(cfg)             # all of the above, wired
@@ -34,11 +38,15 @@ from kvdistill.capture import (
 from kvdistill.config import ConfigError
 from kvdistill.controls import TextPermutation, oracle_width
 from kvdistill.data import (
+    DataError,
     DistillCollator,
     TeacherView,
     add_latent_token,
+    describe_format,
     load_records,
     prompt_reads,
+    records_from_dataset,
+    require_finals,
     teacher_view,
 )
 from kvdistill.fields import FIELD_KEY
@@ -58,7 +66,7 @@ from kvdistill.models import (
 )
 from kvdistill.runs import resolve_model
 from kvdistill.teachers import Teacher, TeacherSet, load_teacher, resolve_logit_kd, vocab_map
-from kvdistill.train.config import KVDistillConfig, TeacherConfig, option_names
+from kvdistill.train.config import KVDistillConfig, TeacherConfig, object_ref, option_names
 from kvdistill.train.distributed import gathered
 from kvdistill.train.model import KVDistillModel, LogitTeacher, LossWeights
 from kvdistill.train.trainer import KVDistillTrainer, oracle_targets
@@ -223,24 +231,66 @@ def cpu_student_dtype(student: torch.nn.Module, cfg: KVDistillConfig) -> torch.n
     return student.float()
 
 
+def _rationale_fields(cfg: KVDistillConfig) -> list[str]:
+    return [t.rationale_field for t in cfg.teacher_configs if t.rationale_field]
+
+
+def config_records(cfg: KVDistillConfig) -> list[dict]:
+    """The labelled records `cfg.data` names (learned: each answer must say which part is the final answer)."""
+    return load_records(cfg.data, cfg.data_split, cfg.field_map, cfg.max_samples, extra_fields=_rationale_fields(cfg),
+                        require_final=True, dataset_format=cfg.dataset_format)
+
+
+def dataset_records(dataset: Any, cfg: KVDistillConfig, labelled: bool = True, name: str = "train_dataset"
+                    ) -> list[dict]:
+    """A `datasets.Dataset` (or a list of dicts) as the records `load_records` makes of a file: each row checked
+    and converted in the data's format (`dataset_format`, detected by default), `max_samples` applied to the
+    labelled ones."""
+    if not hasattr(dataset, "__len__"):  # a streaming IterableDataset: records are indexed (teacher cache, fusion)
+        raise DataError(f"{name} has no length (an IterableDataset?); give a datasets.Dataset or a list of dicts, "
+                        "e.g. Dataset.from_list(list(ds.take(n)))")
+    if not len(dataset):
+        raise DataError(f"{name} holds no records; give at least one record (docs/data.md lists the formats)")
+    return records_from_dataset(dataset, field_map=cfg.field_map, limit=cfg.max_samples if labelled else None,
+                                extra_fields=_rationale_fields(cfg), require_final=labelled,
+                                dataset_format=cfg.dataset_format, source=name)
+
+
 def load_run(cfg: KVDistillConfig, teacher_weights: bool = True, log: Callable[[str], None] = print) -> RunInputs:
     """Load student, data and teachers as `cfg` names them (`teacher_weights=False`: teachers on
-    the meta device, their outputs to come from a capture). A run dir named as the student or a
-    teacher gives its final model, else its newest complete checkpoint (`log` says which)."""
+    the meta device, their outputs to come from a capture), then `prepare_run`. A run dir named as the
+    student or a teacher gives its final model, else its newest complete checkpoint (`log` says which)."""
     set_seed(cfg.seed)
+    if cfg.student is None:
+        raise ConfigError("no student: set `student: <hub id or local dir>` (or give the model to "
+                          "KVDistillTrainer(model=...))")
     student_dir = resolve_model(cfg.student, "student: loading", log)
-    specs = [replace(s, path=resolve_model(s.path, f"teacher {s.name}: loading", log)) for s in cfg.active_teachers]
-    extra = [t.rationale_field for t in cfg.teacher_configs if t.rationale_field]
-    # labelled records are learned: each answer must say which part is the final answer
-    records = load_records(cfg.data, cfg.data_split, cfg.field_map, cfg.max_samples, extra_fields=extra,
-                           require_final=True)
+    records = config_records(cfg)
+    tokenizer = load_tokenizer(student_dir)
+    student = load_model(student_dir, dtype=cfg.student_dtype)
+    return prepare_run(cfg, student, tokenizer, records, cfg.active_teachers, teacher_weights, log, lora_config(cfg))
+
+
+def prepare_run(cfg: KVDistillConfig, student: Any, tokenizer: Any, records: list[dict], specs: list[TeacherConfig],
+                teacher_weights: bool = True, log: Callable[[str], None] = print, peft_config: Any = None
+                ) -> RunInputs:
+    """What every run does with its loaded student, tokenizer and records, however they came: the teachers
+    (`load_teacher`: from each spec's path, or its loaded `model`), every check on the models, the latent
+    token, the LoRA adapters (`peft_config`), the text each teacher reads, the transfer set and the collator."""
+    specs = [s if s.model is not None else replace(s, path=resolve_model(s.path, f"teacher {s.name}: loading", log))
+             for s in specs]
     for i, r in enumerate(records):
         r["index"] = i  # row id, for per-sample teacher weights
-    tokenizer = load_tokenizer(student_dir)
+    # these read a question and its final answer: question/answer records only (docs/data.md), refused before loading
+    for purpose, used in (("accuracy_eval_steps", cfg.accuracy_eval_steps > 0), ("fusion correctness",
+                          cfg.fusion == "correctness"), ("lmbda > 0 (on-policy prompts)", cfg.lmbda > 0),
+                          ("seq_kd", cfg.seq_kd)):
+        if used:
+            require_finals(records, purpose)
     if cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
         logger.warning("use_chat_template: the student's tokenizer (%s) has no chat template; prompts are formatted "
                        "with prompt_template", cfg.student)
-    student = cpu_student_dtype(load_model(student_dir, dtype=cfg.student_dtype), cfg)
+    student = cpu_student_dtype(student, cfg)
     controls = cfg.teacher_controls  # each teacher's own control, else the run's
     # the oracle control runs no teacher: only its architecture (layer count) is read, on the meta device
     teachers = [load_teacher(s, tokenizer, untrained=controls[s.name] == "untrained", seed=cfg.seed,
@@ -259,6 +309,7 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True, log: Callable[[
     if cfg.student_input.startswith("latent:") and add_latent_token(tokenizer):
         # the slot token is new to the student: one more embedding row (mean-initialised)
         student.resize_token_embeddings(len(tokenizer))
+    student = peft_student(student, peft_config)  # after the resize: the adapters wrap the final embeddings
     # privileged teachers read the full rationale, permuted ones their rewritten text: never the student's tokens
     for t in teachers:
         if cfg.student_input != "full" or controls[t.name] == "permuted":
@@ -284,13 +335,15 @@ def load_run(cfg: KVDistillConfig, teacher_weights: bool = True, log: Callable[[
     # without a teacher signal or transfer_lm_weight a transfer record teaches nothing
     if (teachers or cfg.transfer_lm_weight > 0) and cfg.transfer_data:
         transfer = load_records(cfg.transfer_data, cfg.transfer_split, cfg.transfer_field_map or cfg.field_map,
-                                cfg.transfer_max_samples, extra_fields=extra)
+                                cfg.transfer_max_samples, extra_fields=_rationale_fields(cfg),
+                                dataset_format=cfg.dataset_format)
         for i, r in enumerate(transfer):
             r["index"] = len(records) + i  # after the labelled ids: one teacher-cache id space
     collator = DistillCollator(tokenizer, cfg.max_length, cfg.prompt_template, cfg.use_chat_template, views,
                                cfg.student_input, transfer, cfg.transfer_batch_size, cfg.seed)
+    log(describe_format(records, "train_dataset" if cfg.data is None else str(cfg.data)))
     log(prompt_reads(tokenizer, {t.name: None if t.shares_student_tokens else t.tokenizer for t in teachers},
-                     cfg.prompt_template, cfg.use_chat_template))
+                     cfg.prompt_template, cfg.use_chat_template, example=records[0]))
     return RunInputs(tokenizer, student, records, transfer, teachers, specs, collator)
 
 
@@ -388,10 +441,123 @@ def captured_head(cfg: KVDistillConfig, spec: TeacherConfig, tokenizer: Any) -> 
     return lm.weight.to(cfg.device), None if lm.bias is None else lm.bias.to(cfg.device)
 
 
+PEFT_MISSING = "use_peft / peft_config need the peft package: pip install 'kvdistill[peft]'"
+
+
+def lora_config(cfg: KVDistillConfig) -> Any:
+    """`use_peft`'s `peft.LoraConfig` from the `lora_*` options (TRL ModelConfig's names); None without it."""
+    if not cfg.use_peft:
+        return None
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise ConfigError(PEFT_MISSING) from None
+    targets = cfg.lora_target_modules
+    if isinstance(targets, str) and targets != "all-linear":  # `q_proj,v_proj` from the command line
+        targets = [t.strip() for t in targets.strip("[]").split(",") if t.strip()]
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets or None, task_type="CAUSAL_LM")
+
+
+def peft_student(student: torch.nn.Module, peft_config: Any) -> torch.nn.Module:
+    """The student with `peft_config`'s adapters (only they train; its own weights are frozen); as it is
+    without one. The KV hooks find its attention modules through the wrapper (`cache._attentions`)."""
+    if peft_config is None:
+        return student
+    try:
+        from peft import PeftModel, get_peft_model
+    except ImportError:
+        raise ConfigError(PEFT_MISSING) from None
+    if isinstance(student, PeftModel):
+        raise ConfigError("the student already has peft adapters; pass it without peft_config (its adapters train), "
+                          "or pass its base model with peft_config")
+    return get_peft_model(student, peft_config)
+
+
+@dataclass
+class TrainerInputs:
+    """The arguments of `KVDistillTrainer`'s wired form (a `KVDistillModel`, a `TeacherSet`)."""
+
+    model: KVDistillModel
+    args: KVDistillConfig
+    train_dataset: list[dict]
+    data_collator: DistillCollator
+    processing_class: Any
+    teachers: TeacherSet
+    layer_maps: dict[str, torch.Tensor]
+    accuracy_records: list[dict] | None
+    oracle_width: int
+
+
 def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
-    """Load everything the config names and wire it into a `KVDistillTrainer`."""
+    """Load everything the config names (`load_run`) and wire it into a `KVDistillTrainer`."""
     check_zero3(cfg)
-    run = load_run(cfg, teacher_weights=not cfg.teacher_capture)
+    return KVDistillTrainer(**vars(trainer_inputs(cfg, load_run(cfg, teacher_weights=not cfg.teacher_capture))))
+
+
+def teacher_spec(teacher: Any) -> TeacherConfig:
+    """An entry of `KVDistillTrainer(teachers=[...])` as a `TeacherConfig`: one already, a loaded model, a path or a
+    mapping (as `teachers:` in YAML)."""
+    if isinstance(teacher, torch.nn.Module):
+        return TeacherConfig(model=teacher)
+    return KVDistillConfig._teacher(teacher)
+
+
+def named_config(args: KVDistillConfig | None, model: Any, teachers: list[TeacherConfig] | None,
+                 tokenizer: Any) -> KVDistillConfig:
+    """A copy of `args` that names the given objects (`config.object_ref`) and is checked with them as a config
+    naming paths is: the run's config (checkpoints, model card, capture identity). It holds no model object."""
+    args = KVDistillConfig(student=None) if args is None else args
+    if teachers is None:
+        return replace(args, student=object_ref(model))
+    if args.teacher_configs:
+        raise ConfigError(f"teachers are given twice: in the config ({[t.name for t in args.teacher_configs]}) and "
+                          "as KVDistillTrainer(teachers=...); give them in one place")
+
+    def entry(t: TeacherConfig) -> dict:
+        d = {f: getattr(t, f) for f in t.__dataclass_fields__ if f != "model"}
+        if t.tokenizer is not None and not isinstance(t.tokenizer, str):  # a loaded tokenizer, named
+            d["tokenizer"] = "student" if t.tokenizer is tokenizer else getattr(t.tokenizer, "name_or_path", None)
+            d["tokenizer"] = None if d["tokenizer"] in ("", t.path) else d["tokenizer"]
+        return d
+
+    return replace(args, student=object_ref(model), teachers=[entry(t) for t in teachers])
+
+
+def object_inputs(model: Any, args: KVDistillConfig | None, train_dataset: Any = None, processing_class: Any = None,
+                  teachers: Any = None, peft_config: Any = None, eval_dataset: Any = None) -> TrainerInputs:
+    """`KVDistillTrainer(model=<a student model>, ...)`, TRL's manner: the given objects through the path
+    `build_trainer` takes after loading (`prepare_run`, `trainer_inputs`).
+
+    `train_dataset` (a `datasets.Dataset` or list of dicts; default: `args.data`) becomes the records `data`
+    makes; `eval_dataset` the accuracy curve's (`accuracy_eval_steps`); `teachers` a list of `TeacherConfig`
+    (or loaded models, paths, mappings; default: `args.teachers`); `peft_config` (default: `args.use_peft`'s)
+    wraps the student in LoRA adapters."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a loaded student model (a transformers PreTrainedModel or PeftModel), got "
+                          f"{type(model).__name__}; for a path, load it with AutoModelForCausalLM.from_pretrained")
+    specs = None if teachers is None else [teacher_spec(t) for t in
+                                           (teachers if isinstance(teachers, (list, tuple)) else [teachers])]
+    if processing_class is None:
+        processing_class = load_tokenizer(object_ref(model))
+    cfg = named_config(args, model, specs, processing_class)
+    check_zero3(cfg)
+    set_seed(cfg.seed)
+    records = config_records(cfg) if train_dataset is None else dataset_records(train_dataset, cfg)
+    if specs is None:  # the config's own teachers, by path
+        specs = cfg.active_teachers
+    elif not cfg.teacher_signal:  # as `active_teachers`: a run without a teacher signal loads none
+        specs = []
+    run = prepare_run(cfg, model, processing_class, records, specs, teacher_weights=not cfg.teacher_capture,
+                      peft_config=peft_config if peft_config is not None else lora_config(cfg))
+    accuracy = None if eval_dataset is None else dataset_records(eval_dataset, cfg, labelled=False, name="eval_dataset")
+    return trainer_inputs(cfg, run, accuracy)
+
+
+def trainer_inputs(cfg: KVDistillConfig, run: RunInputs, accuracy_records: list[dict] | None = None
+                   ) -> TrainerInputs:
+    """The run's loaded objects wired: row-selection checks, the teacher set (and its capture), one aligner
+    per teacher sized from a probe batch, the fusion and the `KVDistillModel`."""
     tokenizer, student, records, teachers, specs = run.tokenizer, run.student, run.records, run.teachers, run.specs
     # a row selection field:<name> reads that field in every batch
     for name, weight in (("relation_rows", cfg.kv_weight), ("logit_kd_rows", cfg.logit_kd_weight)):
@@ -456,12 +622,11 @@ def build_trainer(cfg: KVDistillConfig) -> KVDistillTrainer:
         logit_kd_rows=cfg.logit_kd_rows,
         logit_teachers=_logit_teachers(tokenizer, teachers), vocab_size=len(tokenizer),
     )
-    accuracy_records = None
-    if cfg.accuracy_eval_steps > 0:
-        accuracy_records = load_records(cfg.data, cfg.accuracy_eval_split, cfg.field_map, cfg.accuracy_eval_limit)
-    return KVDistillTrainer(
+    if cfg.accuracy_eval_steps > 0 and accuracy_records is None:
+        accuracy_records = load_records(cfg.data, cfg.accuracy_eval_split, cfg.field_map, cfg.accuracy_eval_limit,
+                                        dataset_format=cfg.dataset_format)
+    return TrainerInputs(
         # a plain list, not an Arrow table: records reach the collator as loaded (token_fields' nested tuples)
-        model=model, args=cfg, train_dataset=records, data_collator=collator,
-        processing_class=tokenizer, teachers=teacher_set, layer_maps=layer_maps, accuracy_records=accuracy_records,
-        oracle_width=width,
+        model=model, args=cfg, train_dataset=records, data_collator=collator, processing_class=tokenizer,
+        teachers=teacher_set, layer_maps=layer_maps, accuracy_records=accuracy_records, oracle_width=width,
     )

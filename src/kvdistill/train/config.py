@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from kvdistill.config import (
 from kvdistill.config import parse_config as parse_command_config
 from kvdistill.controls import ORACLE_CODES, TextPermutation
 from kvdistill.data import DEFAULT_TEMPLATE, FIELD_MAPS, parse_student_input
+from kvdistill.formats import DATASET_FORMATS
 from kvdistill.fusion import FUSIONS
 from kvdistill.losses import LABELLED, LOGIT_KD_KINDS, LOSSES
 from kvdistill.losses.relation import parse_rows
@@ -58,15 +59,17 @@ DESCRIPTION = """Multi-teacher KV-cache distillation on transformers.Trainer.
 
   kvdistill train --config configs/tiny.yaml [--key value ...]
 
-Options come from one YAML file (--config) plus command-line flags, which win. The kvdistill
-options are listed first; every transformers TrainingArguments option follows and keeps its name."""
+Options come from one YAML file (--config) plus command-line flags, which win; each option is
+spelt --max_length or --max-length. The kvdistill options are listed by task; every transformers
+TrainingArguments option is accepted under its own name too (--help-all lists them)."""
 
 
 @dataclass
 class TeacherConfig:
     """One teacher (an entry of `teachers:`). Unset projector fields inherit the run-wide ones."""
 
-    path: str = option(None, "Teacher model: Hub id or local directory. Required.", affects="teacher_outputs")
+    path: str = option(None, "Teacher model: Hub id or local directory. Required (unless `model` is given).",
+                       affects="teacher_outputs")
     name: str | None = option(None, "Name in logs, checkpoints and layer-map files (default: last part of path).",
                               affects="teacher_outputs")
     weight: float = option(1.0, "Fusion weight (normalised over the teachers of weight > 0; it scales their KV, CODI "
@@ -75,8 +78,8 @@ class TeacherConfig:
     dtype: str = option("auto", "Weights dtype: auto | fp32 | bf16 | fp16.", affects="teacher_outputs")
     quantization: str | None = option(None, "null | 4bit | 8bit (bitsandbytes); never applied unless asked.",
                                       affects="teacher_outputs")
-    tokenizer: str | None = option(None, "Tokenizer: null (the teacher's own, from path), 'student', or a path.",
-                                   affects="teacher_inputs")
+    tokenizer: Any = option(None, "Tokenizer: null (the teacher's own, from path), 'student', or a path (Python "
+                            "API: or a loaded tokenizer).", affects="teacher_inputs")
     rationale_field: str | None = option(None, "Data column with this teacher's own rationale (its chain of thought).",
                                          affects="teacher_inputs")
     layer_map: str | None = option(None, "Layer-map JSON from `kvdistill layer-map` (needed with layer_map: cka).",
@@ -99,7 +102,16 @@ class TeacherConfig:
                                  "signal from its untrained copy, the same path listed twice (docs/training.md).",
                                  affects="teacher_outputs")
 
+    # the Python API (`KVDistillTrainer(teachers=[TeacherConfig(model=..., tokenizer=...)])`); never in YAML: the
+    # trainer keeps the object and its run's config names it by `path` (whose config hash the checkpoints record)
+    model: Any = option(None, "A loaded teacher model (Python API only); `path` defaults to its name_or_path. Its "
+                        "`dtype` and `quantization` are the model's own.", affects="bookkeeping")
+
     def __post_init__(self) -> None:
+        if self.model is not None and isinstance(self.model, (str, Path)):
+            raise ConfigError(f"teacher `model:` takes a loaded model (Python API); give {self.model!r} as `path:`")
+        if not self.path and self.model is not None:
+            self.path = object_ref(self.model)
         if not self.path:
             raise ConfigError("a teacher needs a `path:` (Hub id or local model directory)")
         if self.name is None:
@@ -121,139 +133,145 @@ class TeacherConfig:
 class KVDistillConfig(TrainingArguments):
     """Training arguments of `kvdistill train` (TrainingArguments names kept).
 
-    A new option is one line here: `name: type = option(default, "help", affects=<role>, card=<section>,
-    valid=<rule>)`. `affects` is required (a key of `kvdistill.config.ROLES`: `teacher_outputs`,
+    A new option is one line here: `name: type = option(default, "help", affects=<role>, group=<task>,
+    card=<section>, valid=<rule>)`. `affects` is required (a key of `kvdistill.config.ROLES`: `teacher_outputs`,
     `teacher_inputs`, `teacher_signal`, `student_loss` or `bookkeeping`); it alone decides whether the option
-    enters a capture's identity, the "same settings" check of a reused run, the teacher-signal rule and
-    its `--help` section. `card` (signals / alignment / data / training) puts it on the model card;
-    `valid` (e.g. ">= 0", "> 0", "in (0, 1]") is required for numbers. Tests fail when one is missing.
+    enters a capture's identity, the "same settings" check of a reused run and the teacher-signal rule.
+    `group` is required (a key of `kvdistill.config.GROUPS`: models, data, alignment, signals, training,
+    output): the `--help` section that lists it. `card` (signals / alignment / data / training) puts it on
+    the model card; `valid` (e.g. ">= 0", "> 0", "in (0, 1]") is required for numbers. Tests fail when one
+    is missing.
     """
 
     # ---- models and data
-    student: str | None = option(None, "Student model: Hub id or local directory.", affects="student_loss")
+    student: str | None = option(None, "Student model: Hub id or local directory.", affects="student_loss",
+                                 group="models")
     teachers: None | str | list = option([], "List of teachers: {path, name, weight, dtype, quantization, tokenizer, "
                            "rationale_field, layer_map, projector, mlp_ratio, ...}.",
-                                         affects="teacher_outputs")
+                                         affects="teacher_outputs", group="models")
     student_dtype: str = option("auto", "Student weights dtype (auto|fp32|bf16|fp16); use bf16/fp16 flags for AMP. "
                                 "On CPU fp16 is refused and bf16 upcast to fp32 (docs/training.md).",
-                                affects="student_loss")
+                                affects="student_loss", group="models")
     data: str = option("synthetic", "Training data: Hub id, local jsonl/json/parquet file or directory, or 'synthetic'.",
-                       affects="teacher_inputs", card="data")
-    data_split: str = option("train", "Split to train on.", affects="teacher_inputs", card="data")
+                       affects="teacher_inputs", group="data", card="data")
+    data_split: str = option("train", "Split to train on.", affects="teacher_inputs", group="data", card="data")
     field_map: None | str | dict = option(None, "Column mapping {question: col, answer: col} or a name (gsm8k, svamp, math).",
-                                          affects="teacher_inputs", card="data")
+                                          affects="teacher_inputs", group="data", card="data")
+    dataset_format: str = option("auto", "Data format: auto (detected from the columns: question/answer, messages, "
+                                 "prompt/completion, text; docs/data.md) or question_answer | messages | "
+                                 "prompt_completion | text.", affects="teacher_inputs", group="data", card="data")
     max_samples: int | None = option(None, "Use only the first N training records.",
-                                     affects="teacher_inputs", card="data", valid=">= 1")
+                                     affects="teacher_inputs", group="data", card="data", valid=">= 1")
     transfer_data: str | None = option(None, "Transfer set (Hinton et al.): records the student gets no LM loss "
                                        "on, only the teacher signals (KV, relation, logit KD, CODI). Their "
                                        "`answer` is read, not learned as a label: e.g. teacher-written completions "
                                        "of unlabelled questions. Same formats as `data`; unused without a teacher "
-                                       "signal.", affects="teacher_inputs", card="data")
-    transfer_split: str = option("train", "Split of transfer_data.", affects="teacher_inputs", card="data")
+                                       "signal.", affects="teacher_inputs", group="data", card="data")
+    transfer_split: str = option("train", "Split of transfer_data.", affects="teacher_inputs", group="data", card="data")
     transfer_field_map: None | str | dict = option(None, "Column mapping of transfer_data (default: field_map); "
                                                    "an eval's items.jsonl is a transfer set with "
                                                    "{question: question, answer: prediction}.",
-                                                   affects="teacher_inputs")
+                                                   affects="teacher_inputs", group="data")
     transfer_max_samples: int | None = option(None, "Use only the first N transfer records.",
-                                              affects="teacher_inputs", card="data", valid=">= 1")
+                                              affects="teacher_inputs", group="data", card="data", valid=">= 1")
     transfer_batch_size: int = option(0, "Transfer records added to every micro-batch of labelled ones (drawn at "
                                       "random, seeded by the batch, so a resumed run draws the same); 0: "
-                                      "per_device_train_batch_size.", affects="student_loss", valid=">= 0")
+                                      "per_device_train_batch_size.", affects="student_loss", group="data", valid=">= 0")
     max_length: int = option(512, "Maximum tokens per example (longer ones are cut, with a warning).",
-                             affects="teacher_outputs", card="data", valid=">= 8")
+                             affects="teacher_outputs", group="data", card="data", valid=">= 8")
     prompt_template: str = option(DEFAULT_TEMPLATE, "Prompt template with {question}.",
-                                  affects="teacher_inputs", card="data")
+                                  affects="teacher_inputs", group="data", card="data")
     use_chat_template: bool = option(False, "Format prompts with the tokenizer's chat template.",
-                                     affects="teacher_inputs", card="data")
+                                     affects="teacher_inputs", group="data", card="data")
     accuracy_eval_steps: int = option(0, "Every N optimizer steps (and at the end), greedy-decode the "
                                       "accuracy_eval_split and log `eval_accuracy` (accuracy-vs-steps curves); 0: off.",
-                                      affects="student_loss", valid=">= 0")
+                                      affects="student_loss", group="training", valid=">= 0")
     accuracy_eval_split: str = option("dev", "Split of `data` for the accuracy curve (never the test split you "
-                                      "report on).", affects="student_loss")
+                                      "report on).", affects="student_loss", group="training")
     accuracy_eval_limit: int = option(200, "Items of accuracy_eval_split per curve point.",
-                                      affects="student_loss", valid=">= 1")
+                                      affects="student_loss", group="training", valid=">= 1")
     accuracy_eval_max_new_tokens: int = option(64, "Generation budget per item for the accuracy curve.",
-                                               affects="student_loss", valid=">= 1")
+                                               affects="student_loss", group="training", valid=">= 1")
     accuracy_stop: float = option(0.0, "Stop training at the first accuracy-curve point >= this (a teacher "
                                   "trained to a quality gate stops once it passes it); 0: train max_steps.",
-                                  affects="student_loss", valid="in [0, 1]")
+                                  affects="student_loss", group="training", valid="in [0, 1]")
     # ---- alignment
     time_mode: str = option("segment", f"Time alignment: {TIME_MODES}.",
-                            affects="student_loss", card="alignment")
+                            affects="student_loss", group="alignment", card="alignment")
     layer_map: str = option("proportional", f"Layer mapping: {LAYER_MAPS} (cka reads each teacher's layer_map JSON).",
-                            affects="student_loss", card="alignment")
+                            affects="student_loss", group="alignment", card="alignment")
     layer_map_k: int = option(1, "k for layer_map: last_k.",
-                              affects="student_loss", card="alignment", valid=">= 1")
+                              affects="student_loss", group="alignment", card="alignment", valid=">= 1")
     ignore_layer_map_hash: bool = option(False, "Accept a layer map computed for other model configs.",
-                                         affects="student_loss")
+                                         affects="student_loss", group="alignment")
     head_mode: str = option("flat", f"Head alignment: {HEAD_MODES}.",
-                            affects="student_loss", card="alignment")
+                            affects="student_loss", group="alignment", card="alignment")
     projector: str = option("linear", f"Dim projector: {PROJECTORS}.",
-                            affects="student_loss", card="alignment")
+                            affects="student_loss", group="alignment", card="alignment")
     mlp_ratio: float = option(1.0, "Elastic bottleneck width ratio r (0.5 / 1 / 2 by teacher size).",
-                              affects="student_loss", card="alignment", valid="> 0")
+                              affects="student_loss", group="alignment", card="alignment", valid="> 0")
     projector_dropout: float = option(0.0, "Dropout inside the elastic projector.",
-                                      affects="student_loss", valid="in [0, 1)")
+                                      affects="student_loss", group="alignment", valid="in [0, 1)")
     projector_init: str = option("xavier", "Projector init: xavier | orthogonal | identity.",
-                                 affects="student_loss")
+                                 affects="student_loss", group="alignment")
     share_layers: bool = option(True, "One K and one V projector shared across layers (else one per layer).",
-                                affects="student_loss", card="alignment")
+                                affects="student_loss", group="alignment", card="alignment")
     projector_trainable: bool = option(True, "Train projectors and head mixers (False: fixed at their init, so the "
                                    "projector cannot chase the student and only the student moves).",
-                                       affects="student_loss")
+                                       affects="student_loss", group="alignment")
     direction: str = option("teacher_to_student", f"Which side is projected: {DIRECTIONS}.",
-                            affects="student_loss", card="alignment")
+                            affects="student_loss", group="alignment", card="alignment")
     key_space: str = option("auto", "Keys as cached (post_rope) or before RoPE (pre_rope); auto: pre_rope for "
                             "kv_loss relation (relations of rotated keys depend on position), else post_rope "
                             "(kv_loss attention needs post_rope: attention reads rotated queries and keys).",
-                            affects="teacher_outputs", card="alignment")
+                            affects="teacher_outputs", group="alignment", card="alignment")
     # ---- losses
-    kv_loss: str = option("mercator", f"KV loss: {KV_LOSSES}.", affects="student_loss", card="signals")
+    kv_loss: str = option("mercator", f"KV loss: {KV_LOSSES}.", affects="student_loss", group="signals", card="signals")
     kv_weight: float = option(0.1, "Weight of the KV loss (0 = SFT only). Small weights worked best in the pilot.",
-                              affects="teacher_signal", card="signals", valid=">= 0")
+                              affects="teacher_signal", group="signals", card="signals", valid=">= 0")
     kv_warmup_steps: int = option(100, "Linear warm-up of the KV weight over this many optimizer steps.",
-                                  affects="student_loss", card="signals", valid=">= 0")
+                                  affects="student_loss", group="signals", card="signals", valid=">= 0")
     relation_heads: int = option(8, "kv_loss relation: relation heads R (each side's H*D split into R chunks).",
-                                 affects="student_loss", valid=">= 1")
+                                 affects="student_loss", group="signals", valid=">= 1")
     relation_temperature: float = option(1.0, "kv_loss relation: softmax temperature of the relation matrices.",
-                                         affects="student_loss", valid="> 0")
+                                         affects="student_loss", group="signals", valid="> 0")
     relation_rows: str = option("all", "The rows the KV loss reads (kv_loss relation / attention: its query rows, "
                                 "every valid token stays a key; an element loss: the tokens it compares): all | answer "
                                 "| segment names, comma-separated (prompt,reasoning,answer) | field:<name> (the "
                                 "tokens where the data's per-token field <name> is > 0). For relation / attention the "
                                 "KL on the rows read and on the other rows is logged either way "
                                 "(<loss>_kl_selected / _other).",
-                                affects="student_loss", card="signals")
+                                affects="student_loss", group="signals", card="signals")
     relation_chunk_size: int | None = option(None, "kv_loss relation / attention: query rows per chunk (memory "
                                              "O(L*B*R*C*T) "
                                              "instead of O(L*B*R*T^2)); null: all rows at once.",
-                                             affects="student_loss", valid=">= 1")
+                                             affects="student_loss", group="signals", valid=">= 1")
     relation_compile: bool = option(True, "kv_loss relation: compile the row softmaxes (torch.compile; 28 -> 22 "
                                     "ms per term on CPU at the demo's shapes; the eager ops where it cannot build).",
-                                    affects="student_loss")
+                                    affects="student_loss", group="signals")
     mercator_alpha: float = option(1.0, "Mercator direction weight alpha.",
-                                   affects="student_loss", valid=">= 0")
+                                   affects="student_loss", group="signals", valid=">= 0")
     mercator_beta: float = option(0.0, "Mercator log-norm weight beta (0 or 0.01).",
-                                  affects="student_loss", valid=">= 0")
+                                  affects="student_loss", group="signals", valid=">= 0")
     hybrid_weight: float = option(0.8, "Mercator share in the hybrid loss.",
-                                  affects="student_loss", valid="in [0, 1]")
+                                  affects="student_loss", group="signals", valid="in [0, 1]")
     normalize_target: bool = option(False, "Layer-wise std normalisation of the teacher target (KaVa).",
-                                    affects="student_loss", card="alignment")
+                                    affects="student_loss", group="alignment", card="alignment")
     segment_weights: None | str | dict = option(None, "KV loss weight per segment {prompt: w, reasoning: w, answer: w}.",
-                                                affects="student_loss", card="alignment")
+                                                affects="student_loss", group="signals", card="alignment")
     ce_weight: float = option(1.0, "Weight of the student's LM loss.",
-                              affects="student_loss", card="signals", valid=">= 0")
+                              affects="student_loss", group="signals", card="signals", valid=">= 0")
     allow_kv_only: bool = option(False, "Allow a loss without the student's LM loss: ce_weight 0, or lmbda 1 without "
                                  "logit KD (a KV-only loss can collapse to a trivial high cos-sim).",
-                                 affects="student_loss")
+                                 affects="student_loss", group="signals")
     codi_weight: float = option(0.0, "Weight of the CODI hidden-state loss at the answer marker.",
-                                affects="teacher_signal", card="signals", valid=">= 0")
+                                affects="teacher_signal", group="signals", card="signals", valid=">= 0")
     logit_kd_weight: float = option(0.0, "Weight of logit KD (from each teacher as its `logit_kd` says).",
-                                    affects="teacher_signal", card="signals", valid=">= 0")
+                                    affects="teacher_signal", group="signals", card="signals", valid=">= 0")
     logit_kd_kind: str = option("forward_kl", f"Logit KD divergence: {LOGIT_KD}.",
-                                affects="student_loss", card="signals")
+                                affects="student_loss", group="signals", card="signals")
     logit_kd_temperature: float = option(1.0, "Softmax temperature of logit KD.",
-                                         affects="student_loss", card="signals", valid="> 0")
+                                         affects="student_loss", group="signals", card="signals", valid="> 0")
     # student_loss, not teacher_outputs: a capture stores a teacher's logits (or final hidden states) at every
     # position, so one capture serves every choice of rows
     logit_kd_rows: str = option(LABELLED, "The positions whose next-token distributions logit KD compares. "
@@ -261,64 +279,66 @@ class KVDistillConfig(TrainingArguments):
                                 "as before) | all: every real position whose next token is real, prompt included | "
                                 "a row selection as relation_rows takes it (answer | segment names, comma-separated "
                                 "| field:<name>): the distribution at each selected row, the row a KV loss with the "
-                                "same selection reads. N_kd counts them.", affects="student_loss", card="signals")
+                                "same selection reads. N_kd counts them.", affects="student_loss", group="signals",
+                                card="signals")
     logit_chunk_tokens: int | None = option(None, "CE and same-vocab logit KD from the student's final hidden "
                                             "states, this many tokens at a time (never the B×T×V logits; "
                                             "losses/chunked.py); 0: off (the model's logits); unset: 1,024-token "
                                             "chunks when tokens × vocab > 2^26, else off.",
-                                            affects="student_loss", valid=">= 0")
+                                            affects="student_loss", group="signals", valid=">= 0")
     transfer_lm_weight: float = option(0.0, "Weight of the student's LM loss on transfer records (sequence-level KD: "
                                        "learn the text a teacher wrote, e.g. by `kvdistill generate`); 0: transfer "
                                        "records teach through teacher signals only.",
-                                       affects="student_loss", card="signals", valid=">= 0")
+                                       affects="student_loss", group="signals", card="signals", valid=">= 0")
     # ---- on-policy distillation (GKD; TRL's names; docs/training.md section 12)
     beta: float = option(0.5, "Generalized JSD beta of logit_kd_kind jsd (TRL's name): 0 = forward KL(teacher || "
                          "student), 1 = reverse KL(student || teacher), 0.5 = Jensen-Shannon.",
-                         affects="student_loss", card="signals", valid="in [0, 1]")
+                         affects="student_loss", group="signals", card="signals", valid="in [0, 1]")
     lmbda: float = option(0.0, "Share of optimizer steps on which the student samples the completions it is taught "
                           "on (on-policy, GKD), drawn per step from a generator seeded by (seed, step); 0: the "
                           "data's answers only. On those steps the student gets no LM loss, only the teacher "
                           "signals, which every teacher computes on the student's text.",
-                          affects="teacher_inputs", card="training", valid="in [0, 1]")
+                          affects="teacher_inputs", group="training", card="training", valid="in [0, 1]")
     temperature: float = option(0.9, "Sampling temperature of on-policy / seq_kd generation (TRL's name); the "
                                 "logit-KD loss's softmax temperature is logit_kd_temperature.",
-                                affects="teacher_inputs", card="training", valid="> 0")
+                                affects="teacher_inputs", group="training", card="training", valid="> 0")
     top_p: float = option(1.0, "Nucleus-sampling top_p of on-policy / seq_kd generation (top_k is off).",
-                          affects="teacher_inputs", card="training", valid="in (0, 1]")
+                          affects="teacher_inputs", group="training", card="training", valid="in (0, 1]")
     max_new_tokens: int = option(128, "Completion budget of on-policy / seq_kd generation (lowered so prompt + "
-                                 "completion fit max_length).", affects="teacher_inputs", card="training",
+                                 "completion fit max_length).", affects="teacher_inputs", group="training",
+                                 card="training",
                                  valid=">= 1")
     seq_kd: bool = option(False, "Sequence-level KD (GKD's seq_kd): on the steps that are not on-policy the first "
                           "teacher samples the completions, and the student learns them (LM loss + teacher "
-                          "signals).", affects="teacher_inputs", card="training")
+                          "signals).", affects="teacher_inputs", group="training", card="training")
     # ---- teachers
     fusion: str = option("loss_sum", f"Multi-teacher fusion: {FUSIONS}.",
-                         affects="student_loss", card="alignment")
+                         affects="student_loss", group="signals", card="alignment")
     allow_self_teacher: bool = option(False, "Allow a teacher that is the student's own model read the same way (no "
                                       "control, rationale_field or shortened student_input): its targets are the "
                                       "student's own outputs at the start, a pull back to its initial weights.",
-                                      affects="student_loss")
+                                      affects="student_loss", group="models")
     teacher_offload: bool = option(False, "Keep teachers on CPU; move one at a time to the device for its forward.",
-                                   affects="student_loss")
+                                   affects="student_loss", group="models")
     teacher_cache: bool = option(False, "Keep every training record's teacher outputs in CPU memory, so each "
                                  "teacher runs once per record (many epochs over a small dataset).",
-                                 affects="student_loss")
+                                 affects="student_loss", group="models")
     teacher_capture: str | None = option(None, "Directory of a `kvdistill capture` made with this config: every "
                                          "teacher's outputs are read from it and no teacher weights are loaded. "
                                          "A capture of other data, tokenizer, max_length or teacher is refused.",
-                                         affects="bookkeeping", card="alignment")
+                                         affects="bookkeeping", group="models", card="alignment")
     capture_dtype: str = option("fp32", "dtype `kvdistill capture` stores the teacher cache in: fp32 | bf16 | fp16.",
-                                affects="teacher_outputs")
+                                affects="teacher_outputs", group="models")
     capture_layers: str = option("all", "Teacher layers `kvdistill capture` stores: all | mapped (only those the "
                                  "run's layer map reads; a run with another layer map refuses the capture).",
-                                 affects="teacher_outputs")
+                                 affects="teacher_outputs", group="models")
     capture_keep: float = option(1.0, "Fraction of each teacher rationale's positions `kvdistill capture` stores (the "
                                  "prompt and answer are kept whole); 1 stores every position. Segment time alignment "
                                  "reads the kept ones (needs time_mode: segment, no logit KD).",
-                                 affects="teacher_outputs", valid="in (0, 1]")
+                                 affects="teacher_outputs", group="models", valid="in (0, 1]")
     capture_compression: str = option("uniform", f"How capture_keep < 1 picks the rationale positions: {COMPRESSIONS} "
                                       "(rkv: attention importance minus key redundancy, as teacher_compression).",
-                                      affects="teacher_outputs")
+                                      affects="teacher_outputs", group="models")
     teacher_control: str = option("none", f"Control run {TEACHER_CONTROLS}: untrained = random-init copies of the "
                                   "teachers; shuffled = each sample gets another sample's teacher (a derangement "
                                   "within the batch); oracle = a cache coding the data's class field "
@@ -327,56 +347,75 @@ class KVDistillConfig(TrainingArguments):
                                   "`permute` applied (the student the original); other_task = the listed teachers "
                                   "are trained on a related task without the knowledge (run as usual, labelled a "
                                   "control). A gain must beat the controls to count as knowledge transfer.",
-                                  affects="teacher_outputs", card="alignment")
+                                  affects="teacher_outputs", group="models", card="alignment")
     oracle_field: str = option("class", "teacher_control oracle: the per-token class field of the data (token_fields): "
                                "tokens of one class relate, others do not (never captured: no teacher runs).",
-                               affects="student_loss", card="alignment")
+                               affects="student_loss", group="models", card="alignment")
     oracle_code: str = option("onehot", f"teacher_control oracle: how oracle_field's values are coded {ORACLE_CODES}: "
                               "onehot = tokens of one class relate, others do not; fourier = the field holds numbers "
                               "0..p-1, placed on a circle (relation logit ∝ cos 2π(a-b)/p: a number layout).",
-                              affects="student_loss", card="alignment")
+                              affects="student_loss", group="models", card="alignment")
     permute: str | None = option(None, "teacher_control permuted: numbers (every integer in permute_vocab) | names "
                                  "(every whole word in permute_vocab), mapped through one bijection seeded by `seed`.",
-                                 affects="teacher_inputs", card="alignment")
+                                 affects="teacher_inputs", group="models", card="alignment")
     permute_vocab: None | str | list = option(None, "teacher_control permuted: what is permuted: a range `lo..hi` or "
                                               "a list of integers (numbers; others are kept), or a list of names.",
-                                              affects="teacher_inputs", card="alignment")
+                                              affects="teacher_inputs", group="models", card="alignment")
     # ---- privileged teacher (KaVa)
     student_input: str = option("full", "What the student reads of the rationale: full | no_rationale | "
                                 "short_rationale:K (its first K lines) | latent:N (N latent slot tokens in its place, "
                                 "KaVa-style). Teachers always read the full rationale (privileged information).",
-                                affects="student_loss", card="alignment")
+                                affects="student_loss", group="data", card="alignment")
     teacher_compression: str = option("rkv", f"With a shortened student input: how each teacher's rationale is "
                                       f"cut to the student's reasoning slots: {COMPRESSIONS} or none (proportional "
-                                      "time alignment only).", affects="student_loss", card="alignment")
+                                      "time alignment only).", affects="student_loss", group="alignment",
+                                      card="alignment")
     compression_lambda: float = option(0.1, "R-KV: weight of key redundancy against attention importance.",
-                                       affects="teacher_outputs", valid=">= 0")
+                                       affects="teacher_outputs", group="alignment", valid=">= 0")
     on_nonfinite: str = option("stop", f"A NaN/inf loss or gradient: {ON_NONFINITE}. stop = end the run with a "
                                "message naming the tensor (teacher, layer, keys/values) where it first appeared; "
                                "skip = warn, give the step zero gradient and go on (counted as nonfinite_skipped).",
-                               affects="student_loss")
+                               affects="student_loss", group="training")
     aligner_learning_rate: float = option(1e-3, "Learning rate of projectors / aligners / fusion weights.",
-                                          affects="student_loss", card="training", valid=">= 0")
+                                          affects="student_loss", group="training", card="training", valid=">= 0")
     # ---- TrainingArguments defaults of the seed prototype
     output_dir: str | None = option("runs/kvdistill", "Where checkpoints, logs and the final student go.",
-                                    affects="bookkeeping")
+                                    affects="bookkeeping", group="output")
     overwrite_output_dir: bool = option(False, "Train into an output_dir that holds a run made with other settings "
                                         "(refused otherwise: its checkpoints would mix with this run's).",
-                                        affects="bookkeeping")
+                                        affects="bookkeeping", group="output")
+    allow_low_memory: bool = option(False, "Train on CPU even when the estimated peak memory (`kvdistill dry-run`'s "
+                                    "total) exceeds the machine's available memory (refused otherwise, before "
+                                    "any weight loads).", affects="bookkeeping", group="output")
     learning_rate: float = option(5e-5, "Student learning rate.",
-                                  affects="student_loss", card="training", valid="> 0")
-    weight_decay: float = option(0.01, "Weight decay.", affects="student_loss", card="training", valid=">= 0")
+                                  affects="student_loss", group="training", card="training", valid="> 0")
+    weight_decay: float = option(0.01, "Weight decay.", affects="student_loss", group="training", card="training",
+                                 valid=">= 0")
     per_device_train_batch_size: int = option(2, "Batch size per device.",
-                                              affects="student_loss", card="training", valid=">= 1")
+                                              affects="student_loss", group="training", card="training", valid=">= 1")
     gradient_accumulation_steps: int = option(16, "Gradient accumulation steps.",
-                                              affects="student_loss", card="training", valid=">= 1")
+                                              affects="student_loss", group="training", card="training", valid=">= 1")
     max_steps: int = option(1000, "Optimizer steps.",
-                            affects="student_loss", card="training", valid=">= 1 or -1")
-    logging_steps: float = option(10, "Log every N steps.", affects="bookkeeping", valid="> 0")
-    save_steps: float = option(200, "Checkpoint every N steps.", affects="bookkeeping", valid="> 0")
-    report_to: None | str | list[str] = option("none", "tensorboard / wandb / none.", affects="bookkeeping")
+                            affects="student_loss", group="training", card="training", valid=">= 1 or -1")
+    logging_steps: float = option(10, "Log every N steps.", affects="bookkeeping", group="output", valid="> 0")
+    save_steps: float = option(200, "Checkpoint every N steps.", affects="bookkeeping", group="output", valid="> 0")
+    report_to: None | str | list[str] = option("none", "tensorboard / wandb / none.", affects="bookkeeping",
+                                               group="output")
     remove_unused_columns: bool = option(False, "Must stay False: the collator needs the raw records.",
-                                         affects="student_loss")
+                                         affects="student_loss", group="data")
+
+    # ---- PEFT / LoRA student (TRL ModelConfig's names; needs the `peft` extra: pip install 'kvdistill[peft]').
+    # The Python API takes `KVDistillTrainer(peft_config=LoraConfig(...))` instead, which wins over these.
+    use_peft: bool = option(False, "Train LoRA adapters on the student instead of all its weights (the aligners "
+                            "train in full either way).", affects="student_loss", group="models")
+    lora_r: int = option(16, "use_peft: LoRA rank.", affects="student_loss", group="models", valid=">= 1")
+    lora_alpha: int = option(32, "use_peft: LoRA alpha (the update is scaled by alpha / r).",
+                             affects="student_loss", group="models", valid="> 0")
+    lora_dropout: float = option(0.05, "use_peft: dropout on the LoRA input.", affects="student_loss",
+                                 group="models", valid="in [0, 1)")
+    lora_target_modules: None | str | list = option(None, "use_peft: the student modules that get adapters: names "
+                                                    "(comma-separated or a list) or all-linear; null: peft's default "
+                                                    "for the architecture.", affects="student_loss", group="models")
 
     def __post_init__(self) -> None:
         # mapping-valued options arrive as YAML objects from a file, or as strings from the CLI
@@ -406,6 +445,7 @@ class KVDistillConfig(TrainingArguments):
 
     def _validate(self) -> None:
         choices = {
+            "dataset_format": DATASET_FORMATS,
             "time_mode": TIME_MODES, "layer_map": LAYER_MAPS, "head_mode": HEAD_MODES, "projector": PROJECTORS,
             "kv_loss": KV_LOSSES, "fusion": FUSIONS, "logit_kd_kind": LOGIT_KD, "direction": DIRECTIONS,
             "key_space": ("auto", "post_rope", "pre_rope"), "projector_init": ("xavier", "orthogonal", "identity"),
@@ -415,8 +455,9 @@ class KVDistillConfig(TrainingArguments):
         }
         for key, allowed in choices.items():
             check_choice(key, getattr(self, key), allowed)
-        if self.student is None:
-            raise ConfigError("no student: set `student: <hub id or local dir>`")
+        # no student: the models come as objects (Python API, `KVDistillTrainer(model=..., teachers=[...])`), which
+        # the trainer names in a copy of this config, checked then; the command line needs one (`parse_config`)
+        named = self.student is not None
         if isinstance(self.max_length, int) and self.max_length < 8:
             raise ConfigError(f"max_length {self.max_length} leaves no room for a question and its answer; set "
                               "max_length >= 8 (512 is the default)")
@@ -445,7 +486,7 @@ class KVDistillConfig(TrainingArguments):
             raise ConfigError(f"teacher {repeated[0]} is listed twice with the same settings; list it once (its "
                               "`weight` sets how much it counts)")
         # the student's own model reading its text: its targets are the student's outputs (a typo, most often)
-        own = [t for t in self.active_teachers if _resolved(t.path) == _resolved(self.student) and
+        own = [t for t in self.active_teachers if named and _resolved(t.path) == _resolved(self.student) and
                t.tokenizer in (None, "student") and t.rationale_field is None and self.student_input == "full"
                and self.teacher_controls[t.name] == "none"]
         if own and not self.allow_self_teacher:
@@ -457,7 +498,7 @@ class KVDistillConfig(TrainingArguments):
                 "ce_weight=0 trains on the KV loss alone, which can collapse to a high cos-sim that teaches "
                 "nothing; set allow_kv_only: true if you mean it"
             )
-        if self.teacher_signal and not self.teacher_configs:
+        if named and self.teacher_signal and not self.teacher_configs:
             raise ConfigError("kv_weight/codi_weight/logit_kd_weight > 0 need at least one teacher in `teachers` "
                               "(for SFT only, set kv_weight: 0)")
         if (self.activation_checkpointing or self.gradient_checkpointing) and self.kv_weight > 0:
@@ -526,6 +567,8 @@ class KVDistillConfig(TrainingArguments):
                 if not Path(t.layer_map).exists():
                     raise ConfigError(f"teacher {t.name}: layer map {t.layer_map} not found")
                 self._check_layer_map_counts(t)
+        if not named:
+            return
         if not _is_model_ref(self.student):
             raise ConfigError(f"student path {self.student!r} does not exist; give a local model directory "
                               "or a Hub id")
@@ -727,8 +770,8 @@ class KVDistillConfig(TrainingArguments):
         """The resolved config as plain YAML-able data (enums as strings, teachers as mappings)."""
         d = {k: v for k, v in self.to_dict().items() if not k.startswith("_") and k != "teacher_configs"}
         # a teacher's control is written only when set: configs written before it existed still compare equal
-        d["teachers"] = [{k: v for k, v in asdict(t).items() if k != "control" or v is not None}
-                         for t in self.teacher_configs]
+        d["teachers"] = [{k: v for k, v in asdict(replace(t, model=None)).items()
+                          if k != "model" and (k != "control" or v is not None)} for t in self.teacher_configs]
         return yaml.safe_load(yaml.safe_dump(d, default_flow_style=False, allow_unicode=True))
 
 
@@ -788,4 +831,13 @@ def _is_model_ref(ref: str) -> bool:
 def parse_config(argv: list[str] | None = None, prog: str = "kvdistill train",
                  description: str = DESCRIPTION) -> KVDistillConfig:
     """`--config x.yaml` plus `--key value` overrides -> `KVDistillConfig` (CLI wins over YAML)."""
-    return parse_command_config(KVDistillConfig, argv, prog, description, first=TrainingArguments)
+    cfg = parse_command_config(KVDistillConfig, argv, prog, description, first=TrainingArguments)
+    if cfg.student is None:  # only the Python API gives its student as an object
+        raise ConfigError("no student: set `student: <hub id or local dir>`")
+    return cfg
+
+
+def object_ref(model: Any) -> str:
+    """How a config names a loaded model: its `name_or_path` (the directory or Hub id it was loaded from), else
+    its class and identity (a model built in memory), so one object given twice is one model."""
+    return getattr(model, "name_or_path", "") or f"{type(model).__name__}@{id(model):x}"

@@ -152,16 +152,68 @@ def oracle_targets(teachers: TeacherSet, inputs: dict, token_fields: dict | None
 
 
 class KVDistillTrainer(Trainer):
-    """Trainer whose model is a `KVDistillModel` and whose loss distils from `teachers`."""
+    """`transformers.Trainer` that distils a student from the KV caches (and logits) of several teachers.
+
+    Built from objects, as TRL's trainers are::
+
+        from kvdistill import KVDistillConfig, KVDistillTrainer, TeacherConfig
+
+        trainer = KVDistillTrainer(
+            model=student,                       # a PreTrainedModel (or PeftModel)
+            args=KVDistillConfig(output_dir="runs/x", max_steps=100, kv_weight=0.1),
+            train_dataset=dataset,               # datasets.Dataset or list of {"question", "answer"} dicts
+            processing_class=student_tokenizer,
+            teachers=[TeacherConfig(model=teacher, tokenizer=teacher_tokenizer, weight=1.0)],
+            peft_config=None,                    # or peft.LoraConfig(...): only the adapters (and aligners) train
+        )
+        trainer.train()
+
+    (docs/api.md). The objects go through the path `kvdistill train` takes after loading its paths
+    (`train.build.object_inputs` -> `prepare_run`, `trainer_inputs`), so a config naming the same models by
+    path gives the same run. A LoRA student saves as a peft adapter directory (its base model is `model`'s).
+
+    Args:
+        model: the student: a `PreTrainedModel` or `PeftModel`, or the wired `KVDistillModel` (then `teachers` is
+            a `TeacherSet`, as `build_trainer` passes them).
+        args: `KVDistillConfig`; its `student` / `teachers` paths are replaced by the objects. Default:
+            `KVDistillConfig()`.
+        train_dataset: a `datasets.Dataset` or list of dicts with the `field_map` columns (default question /
+            answer, GSM8K format: `<rationale> #### <final answer>`); extra columns are kept only when a teacher's
+            `rationale_field` names them. Default: `args.data`.
+        eval_dataset: records for the accuracy curve (`accuracy_eval_steps` > 0); default: `args.data`'s
+            `accuracy_eval_split`.
+        processing_class: the student's tokenizer (default: loaded from the model's name_or_path).
+        teachers: list of `TeacherConfig` (`model=` a loaded model, `tokenizer=` its tokenizer or "student", and the
+            options of a `teachers:` entry: weight, layer_map, projector, logit_kd, control, ...), loaded models,
+            paths or mappings. Default: `args.teachers`.
+        peft_config: a `peft.LoraConfig` (TRL's manner); default: `args.use_peft` with the `lora_*` options.
+    """
 
     # compute_loss normalises by global token counts itself: Trainer must not divide again
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args: Any, teachers: TeacherSet, layer_maps: dict[str, Any] | None = None,
-                 accuracy_records: list[dict] | None = None, oracle_width: int = 0, **kwargs: Any):
+    def __init__(self, model: Any = None, args: KVDistillConfig | None = None, data_collator: Any = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None, *,
+                 teachers: TeacherSet | list | None = None, peft_config: Any = None,
+                 layer_maps: dict[str, Any] | None = None, accuracy_records: list[dict] | None = None,
+                 oracle_width: int = 0, **kwargs: Any):
         from kvdistill.train.distributed import check_launch, enable_cpu_fsdp
 
-        super().__init__(*args, **kwargs)
+        if not isinstance(model, KVDistillModel):  # a student model: wired as `build_trainer` wires its loaded one
+            from kvdistill.train.build import object_inputs
+
+            if data_collator is not None:
+                raise ConfigError("KVDistillTrainer builds its collator from the config (prompt_template, max_length, "
+                                  "each teacher's tokenizer); pass no data_collator")
+            wired = object_inputs(model, args, train_dataset, processing_class, teachers, peft_config, eval_dataset)
+            model, args, train_dataset, data_collator = wired.model, wired.args, wired.train_dataset, wired.data_collator
+            processing_class, teachers, layer_maps = wired.processing_class, wired.teachers, wired.layer_maps
+            accuracy_records, oracle_width, eval_dataset = wired.accuracy_records, wired.oracle_width, None
+        elif not isinstance(teachers, TeacherSet):
+            raise ConfigError("a wired KVDistillModel comes with its TeacherSet (train.build.trainer_inputs); to build "
+                              "from a student model and teacher specs, pass the student model itself")
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         if enable_cpu_fsdp(self.accelerator):
             self.is_fsdp_enabled = True  # Trainer read it before the plugin was put back; it wraps the model later
         check_launch(self.accelerator)
@@ -502,7 +554,14 @@ class KVDistillTrainer(Trainer):
         wrapper = self.distill_model
         student = wrapper.student
         try:  # a file damaged after the save (truncated copy, full disk): name it, not the parser's internals
-            loaded = type(student).from_pretrained(ckpt, dtype=next(student.parameters()).dtype)
+            if hasattr(student, "peft_config"):  # a LoRA student: the checkpoint holds its adapters only
+                from peft import set_peft_model_state_dict
+                from peft.utils import load_peft_weights
+
+                set_peft_model_state_dict(student, load_peft_weights(str(ckpt)))
+                loaded = student
+            else:
+                loaded = type(student).from_pretrained(ckpt, dtype=next(student.parameters()).dtype)
             extra = load_file(ckpt / MODULES_FILE) if (ckpt / MODULES_FILE).exists() else None
         except Exception as err:
             raise ConfigError(f"checkpoint {ckpt} cannot be read ({type(err).__name__}: {err}); resume from "

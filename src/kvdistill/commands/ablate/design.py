@@ -223,7 +223,7 @@ class AblationConfig:
     baseline: str | None = option(None, "The variant every other is compared with (default: baseline, or the first).")
     primary: None | str | list | dict = option(None, "The primary comparison, named before the run: [variant, "
                                                "reference], or {comparison: [a, b], metric: accuracy|answer_nll|"
-                                               "steps_to_threshold, test: paired_t|welch|mann_whitney|logrank|tost, "
+                                               "steps_to_threshold, test: paired_t|welch|mann_whitney|logrank|tost or a list of them, "
                                                "alpha, margin, paired} (docs/evaluation.md).")
     hypothesis: str | None = option(None, "The hypothesis, in words; written with the primary test and a config hash "
                                     "to preregistration.json before the first run.")

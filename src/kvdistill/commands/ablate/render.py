@@ -13,7 +13,7 @@ from kvdistill.commands.ablate.design import AblationConfig
 from kvdistill.commands.ablate.summary import seed_values
 from kvdistill.controls import MEANING_KEPT
 from kvdistill.evaluate.comparisons import fmt_reached, render_continuous
-from kvdistill.evaluate.prereg import METRIC_NAMES, beats, render_lead
+from kvdistill.evaluate.prereg import METRIC_NAMES, beats, controls_spec, render_lead, verdict_lines
 from kvdistill.evaluate.stats import survival_curve
 from kvdistill.io import write_json_atomic, write_text_atomic
 from kvdistill.report import fmt_mean_std, fmt_num, fmt_p, fmt_signed, format_environment
@@ -80,13 +80,17 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         verdict = ("**not significant**" if not _significant(prim) else "**significant**" if _beats(prim)
                    else "**significant, in the reference's favour**")
         metric = (prim.get("spec") or {}).get("metric", "accuracy")
-        refs = list(prim.get("results") or [prim["reference"]])  # older reports: one reference
+        # older reports: one reference; several tests: each test's results name the references
+        results = prim.get("results") or next(iter((prim.get("tests") or {}).values()), {}).get("results")
+        refs = list(results or [prim["reference"]])
         pair = f"{label[prim['variant']]} vs {label[prim['reference']]} over seeds {prim['seeds']}"
         claim = f"{label[prim['variant']]} vs {'; '.join(label[r] for r in refs)} over seeds {prim['seeds']}"
-        # a registered metric other than accuracy, or a claim against several arms, leads (its test is the
-        # record); accuracy of the (first) pair follows as context
-        registered = [] if metric == "accuracy" and len(refs) == 1 else [
-            f"{claim}, the registered metric ({METRIC_NAMES[metric]}): {prim['verdict']}.", "",
+        # a registered metric other than accuracy, a claim against several arms or several tests lead (their
+        # tests are the record), one line per test; accuracy of the (first) pair follows as context
+        stated = verdict_lines(prim)
+        registered = [] if metric == "accuracy" and len(refs) == 1 and len(stated) <= 1 else [
+            *(line for _, v in stated for line in (f"{claim}, the registered metric ({METRIC_NAMES[metric]}): {v}.",
+                                                   "")),
             f"The {'first' if len(refs) > 1 else 'same'} pair on accuracy (not the registered test):"]
         lines += ["## Primary comparison (named in the config before the run)", "", *registered,
                   f"{pair}: Δ accuracy {delta}, paired t-test p {tp} (Welch p {wp}), permutation p {pp}, bootstrap "
@@ -109,8 +113,8 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
     controlled = {n: r for n, r in rows.items() if r.get("controls")}
     if controlled:
         # judged as the primary is, on its registered metric and test (older reports: on accuracy's paired tests)
-        spec = (prim or {}).get("spec") if any("registered" in c for r in controlled.values()
-                                               for c in r["comparisons"].values()) else None
+        spec = controls_spec((prim or {}).get("spec")) if any("registered" in c for r in controlled.values()
+                                                              for c in r["comparisons"].values()) else None
         how = (f"on the registered {METRIC_NAMES[spec['metric']]} by its {spec['test'].replace('_', ' ')} test "
                f"at alpha {spec['alpha']:g}" if spec else "at p < 0.05 on both paired tests of accuracy")
         lines += ["", "## Against the controls", "",

@@ -18,7 +18,7 @@ from kvdistill.evaluate.comparisons import (
     run_test,
     steps_to_threshold,
 )
-from kvdistill.evaluate.prereg import Primary, primary_verdict
+from kvdistill.evaluate.prereg import Primary, primary_verdict, primary_verdicts
 from kvdistill.evaluate.stats import mean_std, paired_bootstrap, paired_permutation_test, paired_ttest
 from kvdistill.io import read_json
 from kvdistill.runs import EVAL_DIR, EVAL_SUMMARY, TRAIN_SUMMARY, read_run
@@ -132,10 +132,24 @@ def _controls_text(controls: Mapping[str, str], run_control: str) -> str:
 
 
 def registered_test(p: Primary, a: Mapping[int, Mapping[str, Any]], b: Mapping[int, Mapping[str, Any]]) -> dict:
-    """The pre-registered metric and test (`p`) of runs `a` against runs `b` (`{seed: run}`)."""
+    """The pre-registered metric and test (`p`, of one test) of runs `a` against runs `b` (`{seed: run}`)."""
     key = "steps" if p.metric == "steps_to_threshold" else p.metric
     return run_test(p.metric, p.test, seed_values(a, key), seed_values(b, key), margin=p.margin, alpha=p.alpha,
                     paired=p.paired)
+
+
+def primary_result(p: Primary, runs: Mapping[str, Mapping[int, Mapping[str, Any]]],
+                   labels: Mapping[str, str]) -> dict[str, Any]:
+    """The registered tests of `p` on `runs` (`{variant: {seed: run}}`) and their verdicts. One test: `results`
+    (`{reference: result}`) and `verdict`, as before; several: `tests` (`{test: {"results", "verdict"}}`, each
+    what that test alone gives, on the same per-seed values) and `verdict`, their lines joined by newlines."""
+    if isinstance(p.test, str):
+        results = {b: registered_test(p, runs[p.a], runs[b]) for b in p.b}
+        return {"results": results, "verdict": primary_verdict(p, results, labels)}
+    by_test = {t: {b: registered_test(p.single(t), runs[p.a], runs[b]) for b in p.b} for t in p.tests}
+    verdicts = primary_verdicts(p, by_test, labels)
+    return {"tests": {t: {"results": by_test[t], "verdict": verdicts[t]} for t in p.tests},
+            "verdict": "\n".join(verdicts.values())}
 
 
 def summarize(cfg: AblationConfig) -> dict[str, Any]:
@@ -179,20 +193,19 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
             ref: compare(per_seed, runs[ref], cfg.n_resamples, cfg.margin)
             for ref in cfg.references(v) if per_seed and runs[ref]
         }
-        if cfg.primary and cfg.primary.test != "tost":  # the reference and controls judged as the primary is
+        if cfg.primary and cfg.primary.controls_test:  # the reference and controls judged as the primary is
+            judge = cfg.primary.single(cfg.primary.controls_test)
             for ref, cmp_ in row["comparisons"].items():
-                cmp_["registered"] = registered_test(cfg.primary, per_seed, runs[ref])
+                cmp_["registered"] = registered_test(judge, per_seed, runs[ref])
         if row["reference"] in row["comparisons"]:
             row["vs_baseline"] = row["comparisons"][row["reference"]]
         variants[v.name] = row
     primary, p = None, cfg.primary
     if p and all(runs.get(name) for name in (p.a, *p.b)):  # a --variants subset may leave out a primary arm
-        results = {b: registered_test(p, runs[p.a], runs[b]) for b in p.b}
         # the accuracy context is that of the first reference; each reference's registered test is in results
         primary = {"variant": p.a, "reference": p.b[0], **compare(runs[p.a], runs[p.b[0]], cfg.n_resamples,
                                                                    cfg.margin),
-                   "spec": p.to_dict(), "results": results,
-                   "verdict": primary_verdict(p, results, {v.name: v.label for v in cfg.variants})}
+                   "spec": p.to_dict(), **primary_result(p, runs, {v.name: v.label for v in cfg.variants})}
     record = preregistration(cfg)
     saved = read_json(Path(cfg.output_dir) / "preregistration.json", {})
     # one entry per distinct software/hardware setup (the run dates differ, the setup rarely does)
