@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install kvdistill into it. Idempotent: a second call is fast.
-# KVDISTILL_EXTRAS picks the pyproject extras (default "dev"; scripts/test.sh adds eval, tensorboard, wandb).
+# KVDISTILL_EXTRAS picks the pyproject extras (default "dev"; scripts/test.sh adds eval, tensorboard, wandb, peer, gguf, peft).
 # GPU users: set KVDISTILL_TORCH to the torch spec you want (e.g. "torch" for the CUDA build);
 # the default pins the CPU build that these machines serve.
 set -euo pipefail

