@@ -20,7 +20,7 @@ TEACHER_KEYS = {f.name for f in fields(TeacherConfig)}
 # configs/accelerate and configs/lm_eval hold other tools' formats (lm-eval tasks use `!function` tags)
 OURS = sorted(p for p in CONFIGS.glob("**/*.yaml") if not {"accelerate", "lm_eval"} & set(p.parts))
 ABLATIONS = [p for p in OURS if "base_config" in (yaml.safe_load(p.read_text()) or {})]
-DEMO_SETTINGS = [p for p in OURS if p.name == "demo.yaml"]  # `demo --task`'s settings (kvdistill.regimes)
+DEMO_SETTINGS = [p for p in OURS if p.name == "demo.yaml"]  # `demo --task`'s settings (kvdistill.lab.regimes)
 TRAIN_YAMLS = [p for p in OURS if p not in ABLATIONS + DEMO_SETTINGS]
 
 
@@ -42,7 +42,7 @@ def test_train_config_keys_exist(path):
 
 @pytest.mark.parametrize("path", DEMO_SETTINGS, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_demo_settings_keys_exist(path):
-    from kvdistill.regimes import check_data, read_settings
+    from kvdistill.lab.regimes import check_data, read_settings
 
     for quick in (False, True):  # configs/demo/<task>/demo.yaml: its data knobs are the task's
         check_data(path.parent.name, read_settings(path, quick=quick).data)

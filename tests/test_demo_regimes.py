@@ -1,4 +1,4 @@
-"""`kvdistill.regimes`: a regime's data splits and the models its models.json names, built as written."""
+"""`kvdistill.lab.regimes`: a regime's data splits and the models its models.json names, built as written."""
 
 import json
 
@@ -10,9 +10,16 @@ from kvdistill.config import ConfigError
 from kvdistill.data import tokenize_example
 from kvdistill.fields import IGNORE
 from kvdistill.io import REPO_ROOT
+from kvdistill.lab.regimes import (
+    build_models,
+    probe_summary,
+    read_models,
+    read_settings,
+    teachers_of,
+    write_data,
+)
+from kvdistill.lab.tasks import binding
 from kvdistill.models import load_model, load_tokenizer
-from kvdistill.regimes import build_models, probe_summary, read_models, read_settings, teachers_of, write_data
-from kvdistill.tasks import binding
 
 SPLITS = {"teacher_pool", "train", "dev", "teacher_dev", "test", "other_task", "other_task_dev"}
 MODULAR = dict(n_dev=10, n_test=10, n_teacher_dev=10, p=11, min_equations=2, max_equations=3)
@@ -36,7 +43,7 @@ def test_write_data_writes_every_split_once_and_refuses_other_options(tmp_path):
     assert (out / "dev.jsonl").stat().st_mtime_ns == before
     with pytest.raises(ConfigError, match=r"made with other options .* delete"):
         write_data("binding", {**BINDING, "n_dev": 9}, out, seed=1)
-    with pytest.raises(ConfigError, match=r"unknown \['modulus'\]; they are the keyword arguments of kvdistill.tasks.binding.make_splits"):
+    with pytest.raises(ConfigError, match=r"unknown \['modulus'\]; they are the keyword arguments of kvdistill.lab.tasks.binding.make_splits"):
         write_data("binding", {**BINDING, "modulus": 7}, tmp_path / "other")
     with pytest.raises(ConfigError, match=r"task 'sorting' has no regime data; choose one of \['binding', 'modular'\]"):
         write_data("sorting", {}, tmp_path / "other")

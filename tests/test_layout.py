@@ -1,4 +1,4 @@
-"""The number-layout instrument (`kvdistill.probe.layout_scores`, `kvdistill layout`): its math, and the
+"""The number-layout instrument (`kvdistill.lab.probe.layout_scores`, `kvdistill layout`): its math, and the
 command end to end on the tiny models."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from kvdistill.commands.layout import main
 from kvdistill.config import ConfigError
 from kvdistill.data import DataError
-from kvdistill.probe import cycle_order, layout_scores
+from kvdistill.lab.probe import cycle_order, layout_scores
 
 
 def fourier_code(n: int, freqs: list[int], d: int = 6) -> torch.Tensor:

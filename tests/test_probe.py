@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvdistill import probe
 from kvdistill.data import DistillCollator, load_records
 from kvdistill.fields import IGNORE
+from kvdistill.lab import probe
 from kvdistill.models import load_model, load_tokenizer
 
 
@@ -195,7 +195,7 @@ def test_ridge_solves_on_two_threads():
     import subprocess
     import sys
 
-    code = ("import torch; torch.set_num_threads(2); from kvdistill import probe\n"
+    code = ("import torch; torch.set_num_threads(2); from kvdistill.lab import probe\n"
             "X = torch.randn(18, 30, 256); Y = torch.randn(30, 10); W = probe.ridge(X, Y, (1e-3, 1.0))\n"
             "A = X.mT @ X / 30; B = X.mT @ Y / 30\n"
             "for W_l, lam in zip(W, (1e-3, 1.0)):\n"

@@ -6,8 +6,8 @@ import re
 import pytest
 
 from kvdistill.data import load_records
+from kvdistill.lab.tasks import binding, modular
 from kvdistill.synthetic import write_jsonl
-from kvdistill.tasks import binding, modular
 
 # ----------------------------------------------------------------------------- binding
 

@@ -6,8 +6,8 @@ import torch
 
 from kvdistill.data import format_example, tokenize_example
 from kvdistill.fields import IGNORE
+from kvdistill.lab.tasks import binding, modular
 from kvdistill.models import build_tokenizer, load_model, load_tokenizer, save_random_model
-from kvdistill.tasks import binding, modular
 from kvdistill.tiny import tiny_configs
 
 P = 59

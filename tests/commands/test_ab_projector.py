@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from kvdistill import projector_study as study
 from kvdistill.align.projectors import build_projector
 from kvdistill.cli import main as cli_main
 from kvdistill.commands import ab_projector as ab
+from kvdistill.lab import projector_study as study
 from kvdistill.report import param_count
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -27,7 +27,7 @@ from kvdistill.commands.ablate import (
     run_ablation,
 )
 from kvdistill.config import ConfigError
-from kvdistill.evaluate.prereg import METRIC_NAMES, parse_primary
+from kvdistill.lab.prereg import METRIC_NAMES, parse_primary
 
 
 def test_builtin_variants_are_valid_train_overrides():
@@ -907,7 +907,7 @@ def test_a_primary_of_two_tests_states_each_verdict_and_equals_each_single_test(
 def test_a_single_test_primary_keeps_its_record_and_hash():
     """A single test (and a list of one) is recorded as before: the committed records of earlier sweeps and the
     hashes the code gave them before lists existed are unchanged."""
-    from kvdistill.evaluate.prereg import config_hash, make_record
+    from kvdistill.lab.prereg import config_hash, make_record
 
     names = ["kv", "baseline", "kv_shuffled"]
     for spec, digest, record in [

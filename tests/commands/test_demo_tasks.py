@@ -197,7 +197,7 @@ def test_shipped_teachers_are_copied_checked_and_never_trained(tmp_path, monkeyp
     """assets/<task>/ as `--ship_teachers` writes it: a later demo copies each teacher after checking its hashes and
     the inits it was trained from, trains none, and refuses (one line, naming the file or the seed) a changed file,
     other inits or an output dir holding another teacher."""
-    from kvdistill import regimes
+    from kvdistill.lab import regimes
 
     calls: list[list[str]] = []
 

@@ -32,7 +32,7 @@ import torch
 
 from kvdistill.config import ConfigError, check_choice, option, parse_config
 from kvdistill.io import write_json_atomic, write_text_atomic
-from kvdistill.projector_study import SCENARIOS, VARIANTS, improvement_pct, param_check, run_ab
+from kvdistill.lab.projector_study import SCENARIOS, VARIANTS, improvement_pct, param_check, run_ab
 from kvdistill.report import environment, fmt_mean_std, fmt_pct, fmt_sig
 
 # --------------------------------------------------------------------------- reporting

@@ -46,10 +46,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvdistill import regimes
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config, read_yaml
 from kvdistill.evaluate.comparisons import accuracy_curve
 from kvdistill.io import REPO_ROOT, read_json, read_jsonl, write_json_atomic, write_text_atomic
+from kvdistill.lab import regimes
 from kvdistill.report import environment, format_environment
 from kvdistill.runs import (
     EVAL_ITEMS,

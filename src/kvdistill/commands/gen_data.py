@@ -19,8 +19,8 @@ from pathlib import Path
 
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config
 from kvdistill.io import write_json_atomic
+from kvdistill.lab.tasks import binding, modular
 from kvdistill.synthetic import OPS, generate_problems, make_splits, write_jsonl
-from kvdistill.tasks import binding, modular
 
 TASKS = ("arithmetic", "binding", "modular")
 

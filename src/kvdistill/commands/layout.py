@@ -3,7 +3,7 @@
 A linear probe cannot tell (p distinct tokens decode from any code, trained or not); grokking modular
 arithmetic leaves a code of the numbers that is sparse in the Fourier basis of the operation's cycle.
 For each model (and, with `--untrained`, a seeded random-init copy of its config), reads each number's
-token alone and scores its embedding and its layer-0 pre-RoPE key and value (`kvdistill.probe.
+token alone and scores its embedding and its layer-0 pre-RoPE key and value (`kvdistill.lab.probe.
 layout_scores`): the share of the code's power in its 2 strongest frequencies of the cycle (uniform:
 2 / (n // 2)) and the R² of its Gram matrix by a function of the cyclic distance. The cycle is
 0, 1, ..., p-1 (addition), or with `--generator g` the powers g^0, ..., g^(p-2) mod p (multiplication).
@@ -24,7 +24,7 @@ import torch
 
 from kvdistill.config import ConfigError, as_list, check_output_dir, option, parse_config
 from kvdistill.data import DataError
-from kvdistill.probe import LAYOUT_CODES, cycle_order, layer0_codes, layout_scores
+from kvdistill.lab.probe import LAYOUT_CODES, cycle_order, layer0_codes, layout_scores
 from kvdistill.runs import resolve_model
 
 FORMAT = "kvdistill-layout/1"

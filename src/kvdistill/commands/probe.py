@@ -3,7 +3,7 @@
 For each model (and, with `--untrained`, a seeded random-init copy of the same config, the reference
 row), runs `--samples` records of `--data`, keeps the tokens `--rows` selects that have a `--target`,
 and fits a ridge probe per layer from the pre-RoPE key, the cached (post-RoPE) key, the value and the
-hidden state (`kvdistill.probe`), trained on one set of items and scored on held-out items. Each
+hidden state (`kvdistill.lab.probe`), trained on one set of items and scored on held-out items. Each
 cell gets the majority-class (or train-mean) baseline and a shuffled-label control beside it.
 
 Writes `probe.json` (every model x kind x layer: score, baseline, shuffled control, chosen ridge
@@ -26,7 +26,7 @@ from typing import Any
 
 from kvdistill.config import ConfigError, as_list, check_choice, check_output_dir, option, parse_config
 from kvdistill.data import DEFAULT_TEMPLATE, DataError
-from kvdistill.probe import (
+from kvdistill.lab.probe import (
     KINDS,
     LAMBDAS,
     READOUTS,

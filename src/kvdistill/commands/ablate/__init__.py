@@ -10,7 +10,7 @@ variants: [core, {name: kv_w1, base: kv, overrides: {kv_weight: 1.0}}]
 overrides: {max_steps: 600}         # applied to every run, before the variant's own
 baseline: baseline                  # the reference of every comparison
 eval: {split: test, limit: 1000, batch_size: 16, max_new_tokens: 256}
-hypothesis: KV matching beats SFT   # pre-registered with `primary` (evaluate/prereg.py)
+hypothesis: KV matching beats SFT   # pre-registered with `primary` (lab/prereg.py)
 primary: {comparison: [kv, baseline], metric: accuracy, test: welch, alpha: 0.05}
 threshold: 0.5                      # dev accuracy for steps-to-threshold (runs log eval_accuracy)
 margin: 0.05                        # TOST equivalence margin (accuracy) of every comparison
@@ -34,7 +34,7 @@ with few seeds the item-level test alone overstates certainty, so both are repor
 (`kvdistill.evaluate.comparisons`): Welch and Mann–Whitney over seeds, TOST within ±`margin`, the
 answer NLL's tests, and log-rank / Mann–Whitney for steps to `threshold`. `hypothesis` and
 `primary` are written with a config hash to `preregistration.json` before the first run
-(`kvdistill.evaluate.prereg`); the report opens with the primary result in words. The hash covers
+(`kvdistill.lab.prereg`); the report opens with the primary result in words. The hash covers
 the YAML's full design, so `--variants a,b` (a YAML variant by its name) and `--seeds` run part of
 it first and the rest later under the same record.
 

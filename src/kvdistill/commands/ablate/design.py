@@ -13,7 +13,7 @@ from typing import Any
 
 from kvdistill.commands.eval import EvalConfig
 from kvdistill.config import ConfigError, option, read_yaml, to_plain
-from kvdistill.evaluate.prereg import make_record, parse_primary
+from kvdistill.lab.prereg import make_record, parse_primary
 
 # The KV defaults every built-in KV variant starts from: a small weight and a direction-type
 # loss (the pilot in SPEC §7: kv_weight 1.0 and MSE hurt), the plainest alignment otherwise.

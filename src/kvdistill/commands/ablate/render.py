@@ -13,9 +13,9 @@ from kvdistill.commands.ablate.design import AblationConfig
 from kvdistill.commands.ablate.summary import seed_values
 from kvdistill.controls import MEANING_KEPT
 from kvdistill.evaluate.comparisons import fmt_reached, render_continuous
-from kvdistill.evaluate.prereg import METRIC_NAMES, beats, controls_spec, render_lead, verdict_lines
 from kvdistill.evaluate.stats import survival_curve
 from kvdistill.io import write_json_atomic, write_text_atomic
+from kvdistill.lab.prereg import METRIC_NAMES, beats, controls_spec, render_lead, verdict_lines
 from kvdistill.report import fmt_mean_std, fmt_num, fmt_p, fmt_signed, format_environment
 
 

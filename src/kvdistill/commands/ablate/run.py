@@ -23,8 +23,8 @@ from kvdistill.commands.ablate.design import AblationConfig, AblationError, Vari
 from kvdistill.commands.ablate.render import write_report
 from kvdistill.commands.ablate.summary import recorded_run, summarize
 from kvdistill.config import ConfigError, read_yaml, teacher_controls, to_plain
-from kvdistill.evaluate.prereg import preregister
 from kvdistill.io import write_text_atomic
+from kvdistill.lab.prereg import preregister
 from kvdistill.malloc import keep_freed_memory
 from kvdistill.runs import (
     ASKED_CONFIG,

@@ -18,9 +18,9 @@ from kvdistill.evaluate.comparisons import (
     run_test,
     steps_to_threshold,
 )
-from kvdistill.evaluate.prereg import Primary, primary_verdict, primary_verdicts
 from kvdistill.evaluate.stats import mean_std, paired_bootstrap, paired_permutation_test, paired_ttest
 from kvdistill.io import read_json
+from kvdistill.lab.prereg import Primary, primary_verdict, primary_verdicts
 from kvdistill.runs import EVAL_DIR, EVAL_SUMMARY, TRAIN_SUMMARY, read_run
 from kvdistill.train.config import TEACHER_CONTROLS
 

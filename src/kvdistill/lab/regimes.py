@@ -34,9 +34,9 @@ import torch
 from kvdistill.config import ConfigError, read_yaml
 from kvdistill.data import format_example
 from kvdistill.io import REPO_ROOT, read_json, read_jsonl, sha256_file, write_json_atomic
+from kvdistill.lab.tasks import binding, modular
 from kvdistill.models import build_tokenizer, save_random_model
 from kvdistill.synthetic import write_jsonl
-from kvdistill.tasks import binding, modular
 
 SPLIT_MAKERS = {"binding": binding.make_splits, "modular": modular.make_splits}  # task -> make_splits(**knobs)
 KNOBS_OF = {"binding": (binding.generate_programs,)}  # where a make_splits hands its other **knobs
@@ -206,7 +206,7 @@ def check_data(task: str, knobs: dict[str, Any]) -> None:
     missing, unknown = required - set(knobs), set(knobs) - takes
     if missing or unknown:
         raise ConfigError(f"{task} data knobs: missing {sorted(missing)}, unknown {sorted(unknown)}; "
-                          f"they are the keyword arguments of kvdistill.tasks.{task}.make_splits: {sorted(takes)}")
+                          f"they are the keyword arguments of kvdistill.lab.tasks.{task}.make_splits: {sorted(takes)}")
 
 
 def write_data(task: str, knobs: dict[str, Any], out: str | Path, seed: int = 0) -> dict[str, int]:

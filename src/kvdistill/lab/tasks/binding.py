@@ -36,7 +36,7 @@ import string
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from kvdistill.tasks import Piece, spell
+from kvdistill.lab.tasks import Piece, spell
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 
-from kvdistill.tasks import Piece, spell
+from kvdistill.lab.tasks import Piece, spell
 
 OPS = {"add": ("+", lambda a, b, p: (a + b) % p), "mul": ("*", lambda a, b, p: a * b % p)}
 
