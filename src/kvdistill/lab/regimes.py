@@ -33,7 +33,7 @@ import torch
 
 from kvdistill.config import ConfigError, read_yaml
 from kvdistill.data import format_example
-from kvdistill.io import REPO_ROOT, read_json, read_jsonl, sha256_file, write_json_atomic
+from kvdistill.io import REPO_ROOT, read_json, read_jsonl, repo_relative, sha256_file, write_json_atomic
 from kvdistill.lab.tasks import binding, modular
 from kvdistill.models import build_tokenizer, save_random_model
 from kvdistill.synthetic import write_jsonl
@@ -188,9 +188,14 @@ def ship_teachers(task: str, out: Path, names: list[str], gates: dict[str, tuple
             shutil.copyfile(src / file, dst / file)
         split, acc = gates[name]
         teachers[name] = {"files": {f: sha256_file(dst / f) for f in SHIPPED_FILES},
-                          "command": "kvdistill " + " ".join(commands[name]), "gate": {"split": split, "accuracy": acc},
+                          "command": "kvdistill " + " ".join(repo_relative(a) if a.startswith("/") else a
+                                                             for a in commands[name]),
+                          "gate": {"split": split, "accuracy": acc},
                           "train_summary": read_json(src / "train_summary.json")}
-    manifest = {"init": read_json(out / "init" / SAVED_SPEC), "teachers": teachers, "environment": environment}
+    # the teachers trained in the demo's subprocesses, one torch thread each (demo.run_parallel); `environment`
+    # is the shipping process's
+    manifest = {"init": read_json(out / "init" / SAVED_SPEC), "teachers": teachers, "training_threads": 1,
+                "environment": environment}
     return write_json_atomic(ASSETS / task / MANIFEST, manifest)
 
 
