@@ -31,23 +31,18 @@ from typing import Any
 import yaml
 
 from kvdistill.align.aligner import KVAligner
-from kvdistill.align.layer_map import build_layer_map
 from kvdistill.config import check_output_dir
 from kvdistill.io import REPO_ROOT, write_json_atomic
 from kvdistill.memory import (
     DTYPE_NAMES,
     Component,
-    aligner_dims,
     build_components,
-    codi_params,
-    estimate,
     kv_dims,
     kv_shape,
-    meta_aligner,
     total_gib,
 )
 from kvdistill.report import markdown_table, param_count
-from kvdistill.train.build import check_relation_heads, make_aligner
+from kvdistill.train.build import meta_aligners, micro_batch, planned_memory
 from kvdistill.train.config import KVDistillConfig, TeacherConfig, parse_config
 
 CARDS_GIB = (24, 40, 48, 80)
@@ -107,31 +102,15 @@ def parse_dry_run(argv: list[str]) -> tuple[KVDistillConfig, dict[str, Any]]:
 # ----------------------------------------------------------------------------- aligners
 
 
-def build_aligner(cfg: KVDistillConfig, spec: TeacherConfig, dims: dict[str, int]) -> KVAligner:
-    """One teacher's aligner as `kvdistill train` builds it, parameters on the meta device.
-
-    `layer_map: cka` gets a proportional map of the same shape (see the module docstring).
-    """
-    kind = "proportional" if cfg.layer_map == "cka" else cfg.layer_map
-    layer_map = build_layer_map(kind, dims["student_layers"], dims["teacher_layers"], k=cfg.layer_map_k)  # [L_s, L_t]
-    return meta_aligner(make_aligner(cfg, spec, layer_map), dims)
-
-
 def aligner_rows(cfg: KVDistillConfig, specs: list[TeacherConfig], comps: list[Component],
-                 planned: dict[str, Any]) -> tuple[dict[str, KVAligner], list[dict[str, Any]]]:
-    """Each teacher's aligner (meta device) and its table row: layer map, projector, parameter counts."""
-    student, aligners, rows = comps[0], {}, []
+                 planned: dict[str, Any]) -> tuple[dict[str, tuple[KVAligner, dict[str, int], int]], list[dict[str, Any]]]:
+    """Each teacher's aligner (`train.build.meta_aligners`) and its table row: layer map, projector, parameter
+    counts."""
+    aligners = meta_aligners(cfg, specs, comps)
     kind = "cka -> proportional" if planned["layer_map"] == "cka" else cfg.layer_map
-    for t, spec in zip(comps[1:], specs):
-        if spec.weight == 0:  # logits only: outside the fusion, no aligner (as build_trainer)
-            continue
-        dims = aligner_dims(kv_dims(t.model), kv_dims(student.model))
-        if cfg.kv_loss == "relation":
-            check_relation_heads(cfg, t.name, dims)
-        aligners[t.name] = a = build_aligner(cfg, spec, dims)
-        rows.append({"teacher": t.name, **a.param_counts(), "codi": codi_params(t, student, cfg.codi_weight > 0),
-                     "layer_map": f"{kind} [{dims['student_layers']}, {dims['teacher_layers']}]",
-                     "projector": a.config["projector"], "mode": cfg.head_mode})
+    rows = [{"teacher": name, **a.param_counts(), "codi": codi,
+             "layer_map": f"{kind} [{dims['student_layers']}, {dims['teacher_layers']}]",
+             "projector": a.config["projector"], "mode": cfg.head_mode} for name, (a, dims, codi) in aligners.items()]
     return aligners, rows
 
 
@@ -139,21 +118,17 @@ def dry_run(cfg: KVDistillConfig, planned: dict[str, Any]) -> dict[str, Any]:
     """Build every model and aligner on the meta device; the JSON-able report (`_modules` holds the modules)."""
     specs = cfg.active_teachers
     comps = build_components(cfg.student, cfg.student_dtype, [(s.name, s.path, s.dtype, s.quantization) for s in specs])
-    B = cfg.per_device_train_batch_size + (cfg.transfer_batch_size if cfg.transfer_data and specs else 0)
-    T = cfg.max_length
+    B, T = micro_batch(cfg), cfg.max_length
     aligners, rows = aligner_rows(cfg, specs, comps, planned)
     mixed = "bf16" if cfg.bf16 else ("fp16" if planned["fp16"] else None)
-    items = estimate(comps[0], comps[1:], B=B, T=T, mixed=mixed, logits=cfg.logit_kd_weight > 0,
-                     hidden=cfg.codi_weight > 0, offload=cfg.teacher_offload, captured=bool(cfg.teacher_capture),
-                     aligner_params=sum(r["total"] + r["codi"] for r in rows),
-                     aligner_trainable=sum(r["trainable"] + r["codi"] for r in rows))
+    items = planned_memory(cfg, comps, aligners, mixed=mixed, offload=cfg.teacher_offload)
     total = total_gib(items)
     return {
         "config": planned["config"], "batch": {"B": B, "T": T}, "mixed_precision": mixed,
         "teacher_offload": cfg.teacher_offload, "models": [_model_row(c, B, T) for c in comps],
         "aligners": rows, "memory": items, "total_gib": total,
         "fits": {f"{g} GiB": total + CUDA_CONTEXT_GIB <= g for g in CARDS_GIB},
-        "notes": _notes(cfg, planned), "_modules": [*(c.model for c in comps), *aligners.values()],
+        "notes": _notes(cfg, planned), "_modules": [*(c.model for c in comps), *(a for a, _, _ in aligners.values())],
     }  # fmt: skip
 
 

@@ -15,25 +15,19 @@ from pathlib import Path
 
 import torch
 
-from kvdistill.align.layer_map import build_layer_map
 from kvdistill.config import ConfigError, UserError, check_output_dir
 from kvdistill.io import read_json, write_json_atomic
 from kvdistill.memory import (
     GIB,
     WARN_FRACTION,
-    aligner_dims,
     available_bytes,
     build_components,
     check_host_memory,
-    codi_params,
-    estimate,
-    kv_dims,
-    meta_aligner,
     total_gib,
 )
 from kvdistill.report import environment
 from kvdistill.runs import METRICS, TRAIN_CONFIG, TRAIN_SUMMARY, check_reuse, checkpoints
-from kvdistill.train.build import build_trainer, make_aligner
+from kvdistill.train.build import build_trainer, meta_aligners, planned_memory
 from kvdistill.train.config import BOOKKEEPING, KVDistillConfig, parse_config
 
 logger = logging.getLogger(__name__)
@@ -93,26 +87,14 @@ def check_earlier_run(cfg: KVDistillConfig) -> None:
 
 
 def host_estimate_gib(cfg: KVDistillConfig) -> float:
-    """`kvdistill dry-run`'s total for this config as it runs on CPU (`kvdistill.memory`): a 16-bit student
-    counts in fp32 (`cpu_student_dtype` upcasts it) and every teacher counts (offloading moves nothing)."""
+    """`kvdistill dry-run`'s total for this config as it runs on CPU (`train.build.planned_memory`): a 16-bit
+    student counts in fp32 (`cpu_student_dtype` upcasts it) and every teacher counts (offloading moves nothing)."""
     specs = cfg.active_teachers
     comps = build_components(cfg.student, cfg.student_dtype, [(s.name, s.path, s.dtype, s.quantization) for s in specs])
-    student, P_a, P_train = comps[0], 0, 0
-    if student.dtype in (torch.float16, torch.bfloat16):
-        student.dtype = torch.float32
-    kind = "proportional" if cfg.layer_map == "cka" else cfg.layer_map  # a CKA map has the same shape
-    for t, spec in zip(comps[1:], specs):
-        if spec.weight == 0:  # logits only: no aligner (as build_trainer)
-            continue
-        dims = aligner_dims(kv_dims(t.model), kv_dims(student.model))
-        layer_map = build_layer_map(kind, dims["student_layers"], dims["teacher_layers"], k=cfg.layer_map_k)
-        counts = meta_aligner(make_aligner(cfg, spec, layer_map), dims).param_counts()
-        codi = codi_params(t, student, cfg.codi_weight > 0)
-        P_a, P_train = P_a + counts["total"] + codi, P_train + counts["trainable"] + codi
-    B = cfg.per_device_train_batch_size + (cfg.transfer_batch_size if cfg.transfer_data and specs else 0)
-    items = estimate(student, comps[1:], B=B, T=cfg.max_length, mixed="bf16" if cfg.bf16 else None,
-                     logits=cfg.logit_kd_weight > 0, hidden=cfg.codi_weight > 0, offload=False,
-                     captured=bool(cfg.teacher_capture), aligner_params=P_a, aligner_trainable=P_train)
+    if comps[0].dtype in (torch.float16, torch.bfloat16):
+        comps[0].dtype = torch.float32
+    items = planned_memory(cfg, comps, meta_aligners(cfg, specs, comps), mixed="bf16" if cfg.bf16 else None,
+                           offload=False)
     return total_gib(items)
 
 

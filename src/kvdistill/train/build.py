@@ -55,6 +55,7 @@ from kvdistill.io import read_json, write_json_atomic
 from kvdistill.losses import LABELLED, RelationKVLoss, build_kv_loss, resolve_chunk_tokens
 from kvdistill.losses.attention import AttentionMapLoss
 from kvdistill.losses.relation import parse_rows
+from kvdistill.memory import Component, aligner_dims, codi_params, estimate, kv_dims, meta_aligner
 from kvdistill.models import (
     check_length,
     check_vocab,
@@ -119,6 +120,48 @@ def make_aligner(cfg: KVDistillConfig, spec: TeacherConfig, layer_map: torch.Ten
         init=spec.projector_init or cfg.projector_init, share_layers=cfg.share_layers, direction=cfg.direction,
         trainable=cfg.projector_trainable,
     )
+
+
+# ----------------------------------------------------------------------------- the plan on the meta device
+# (what `kvdistill dry-run` prints and `kvdistill train` checks on CPU before loading: `kvdistill.memory`)
+
+
+def micro_batch(cfg: KVDistillConfig) -> int:
+    """Sequences in one micro-batch: the labelled ones and, with a transfer set and teachers, its records."""
+    return cfg.per_device_train_batch_size + (cfg.transfer_batch_size if cfg.transfer_data and cfg.active_teachers
+                                              else 0)
+
+
+def meta_aligners(cfg: KVDistillConfig, specs: list[TeacherConfig], comps: list[Component]
+                  ) -> dict[str, tuple[KVAligner, dict[str, int], int]]:
+    """Each teacher's aligner as `build_trainer` builds it, on the meta device, with the dims it aligns and its
+    CODI head's parameter count: `{name: (aligner, dims, codi)}`. `comps`: `memory.build_components`' student
+    then `specs`' teachers; a teacher of weight 0 has none (logits only, as `build_trainer`). `layer_map: cka`
+    gets a proportional map of the same shape [L_s, L_t]: it maps every student layer, as a CKA top-k map does."""
+    student, out = comps[0], {}
+    kind = "proportional" if cfg.layer_map == "cka" else cfg.layer_map
+    for t, spec in zip(comps[1:], specs):
+        if spec.weight == 0:
+            continue
+        dims = aligner_dims(kv_dims(t.model), kv_dims(student.model))
+        if cfg.kv_loss == "relation":
+            check_relation_heads(cfg, t.name, dims)
+        layer_map = build_layer_map(kind, dims["student_layers"], dims["teacher_layers"], k=cfg.layer_map_k)  # [L_s, L_t]
+        out[t.name] = (meta_aligner(make_aligner(cfg, spec, layer_map), dims), dims,
+                       codi_params(t, student, cfg.codi_weight > 0))
+    return out
+
+
+def planned_memory(cfg: KVDistillConfig, comps: list[Component],
+                   aligners: dict[str, tuple[KVAligner, dict[str, int], int]], *, mixed: str | None,
+                   offload: bool) -> list[dict[str, Any]]:
+    """`memory.estimate`'s items for the run `cfg` names: one micro-batch (`micro_batch`) of `max_length` tokens,
+    the models of `comps` and the aligners (and CODI heads) of `meta_aligners`."""
+    counts = [(a.param_counts(), codi) for a, _, codi in aligners.values()]
+    return estimate(comps[0], comps[1:], B=micro_batch(cfg), T=cfg.max_length, mixed=mixed,
+                    logits=cfg.logit_kd_weight > 0, hidden=cfg.codi_weight > 0, offload=offload,
+                    captured=bool(cfg.teacher_capture), aligner_params=sum(c["total"] + codi for c, codi in counts),
+                    aligner_trainable=sum(c["trainable"] + codi for c, codi in counts))
 
 
 def _logit_teachers(tokenizer: Any, teachers: list[Teacher]) -> dict[str, LogitTeacher]:
