@@ -1,4 +1,4 @@
-"""`kvdistill demo --quick`: the whole pipeline through the public commands (CI runs this)."""
+"""`kvdistill demo --task arithmetic --quick`: the whole pipeline through the public commands (CI runs this)."""
 
 import json
 import re
@@ -58,7 +58,7 @@ def demo_out(tmp_path_factory, in_process):
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(demo, "run_parallel", beside)
-        assert demo_main(["--quick", "--output_dir", str(out), "--workers", "2"]) == 0
+        assert demo_main(["--task", "arithmetic", "--quick", "--output_dir", str(out), "--workers", "2"]) == 0
     assert {p.stem for p in (out / "logs").glob("*.log")} == set(KV_JOBS)  # the KV student's part ran as children
     return out
 
@@ -109,7 +109,7 @@ def test_demo_quick_end_to_end(demo_out, monkeypatch):
     mtime = (out / "teachers" / "teacher_qwen2" / "model.safetensors").stat().st_mtime
     with monkeypatch.context() as m:
         m.setattr(subprocess, "Popen", refuse_child_process)
-        assert demo_main(["--quick", "--output_dir", str(out)]) == 0
+        assert demo_main(["--task", "arithmetic", "--quick", "--output_dir", str(out)]) == 0
     assert (out / "teachers" / "teacher_qwen2" / "model.safetensors").stat().st_mtime == mtime
     # ... but not a student trained with other settings than the demo's (a config changed since)
     saved = out / "runs" / "student_kv" / "kvdistill_config.yaml"
@@ -117,7 +117,7 @@ def test_demo_quick_end_to_end(demo_out, monkeypatch):
     saved.write_text(yaml.safe_dump({**yaml.safe_load(text), "kv_weight": 0.5}))
     try:
         with pytest.raises(ConfigError, match=r"student_kv was trained with other settings \(kv_weight differ\) than this demo asks; delete"):
-            demo_main(["--quick", "--output_dir", str(out)])
+            demo_main(["--task", "arithmetic", "--quick", "--output_dir", str(out)])
     finally:
         saved.write_text(text)  # the other tests read this output
 
@@ -128,7 +128,7 @@ def test_quality_gate_names_the_teacher(demo_out, monkeypatch):
     monkeypatch.setattr(subprocess, "Popen", refuse_child_process)
     with pytest.raises(SystemExit, match=r"^quality gate: teacher teacher_qwen2 reached [0-9.]+ on dev, [0-9.]+ below "
                                          r"the 0.99 gate; train it longer \(delete .* lower --gate$"):
-        demo_main(["--quick", "--output_dir", str(demo_out), "--gate", "0.99"])
+        demo_main(["--task", "arithmetic", "--quick", "--output_dir", str(demo_out), "--gate", "0.99"])
 
 
 STUDENT_KV = ("report.md", "runs/student_kv/model.safetensors", "eval/student_kv/items.jsonl")
@@ -145,7 +145,7 @@ def test_a_rerun_of_the_kv_student_gives_the_same_bytes(demo_out, in_process, mo
         shutil.rmtree(demo_out / rel)
     (demo_out / "report.md").unlink()
     monkeypatch.setattr(demo, "run_parallel", in_process)
-    assert demo_main(["--quick", "--output_dir", str(demo_out), "--workers", "2"]) == 0
+    assert demo_main(["--task", "arithmetic", "--quick", "--output_dir", str(demo_out), "--workers", "2"]) == 0
     for rel in STUDENT_KV:
         assert (demo_out / rel).read_bytes() == before[rel], rel
 
@@ -155,7 +155,7 @@ def test_a_rerun_of_the_kv_student_gives_the_same_bytes(demo_out, in_process, mo
 def test_a_fresh_rerun_gives_the_same_bytes(demo_out, tmp_path):
     """Every model and evaluation of the demo made again from scratch elsewhere (~16 child processes)."""
     again = tmp_path / "demo_again"
-    assert demo_main(["--quick", "--output_dir", str(again), "--workers", "2"]) == 0
+    assert demo_main(["--task", "arithmetic", "--quick", "--output_dir", str(again), "--workers", "2"]) == 0
     assert (again / "report.md").read_text() == (demo_out / "report.md").read_text().replace(str(demo_out), str(again))
     models = sorted(p.relative_to(demo_out) for p in demo_out.glob("*/*/model.safetensors"))
     assert len(models) == 9  # random inits (3), trained teachers (2), SFT curve, 3 students
@@ -174,6 +174,13 @@ def test_progress_line_reads_a_trainings_steps_and_extrapolates_its_eta(tmp_path
     assert progress_line("sft", argv, 40.0) == "    sft: kvdistill train, step 20/100, 40 s, ETA 160 s"
     assert progress_line("sft", [*argv, "--max_steps", "40"], 40.0).endswith("step 20/40, 40 s, ETA 40 s")
     assert progress_line("ev", ["eval", "--model", "m"], 7.2) == "    ev: kvdistill eval, 7 s"
+    # an ablation (the binding demo's students): its finished runs, read from its log
+    log = tmp_path / "students.log"
+    argv = ["ablate", "--config", "s.yaml"]
+    assert progress_line("students", argv, 5.0, log) == "    students: kvdistill ablate, 5 s"  # no log yet
+    log.write_text("[1/4] baseline seed 11: finished, skipped\nstep 3/10 | loss 1.0\n[3/4] kv seed 11: "
+                   "training + evaluating -> r\n[2/4] logit_kd seed 11: done\n")
+    assert progress_line("students", argv, 60.0, log) == "    students: kvdistill ablate, 2/4 runs done, 60 s, ETA 60 s"
 
 
 def test_run_parallel_prints_progress_while_jobs_run(tmp_path, capsys, monkeypatch):

@@ -125,10 +125,39 @@ def test_demo_binding_quick_end_to_end(tmp_path, monkeypatch, in_process):
         assert f"| {name} | " in report.split("**Probe audit**")[1]
     assert not (out / "teachers" / "teacher_llama").exists()
     assert json.loads((out / "sft_curve.json").read_text())["budget"] in (2, 4)
+    # the students stage: students.yaml with `{out}` filled in and quick's keys over it, run by kvdistill ablate
+    spec = yaml.safe_load((out / "students.yaml").read_text())
+    assert spec["output_dir"] == str(out / "students") and spec["seeds"] == [0] and spec["eval"]["limit"] == 12
+    assert (spec["overrides"]["student"], spec["overrides"]["teachers"]) == (
+        str(out / "init" / "student"), [{"path": str(out / "teachers" / "teacher_qwen2")}])
+    assert (spec["overrides"]["max_steps"], spec["overrides"]["max_samples"]) == (4, 10000)  # quick's, then the file's
+    assert "{out}" not in (out / "students.yaml").read_text()
+    ablation = json.loads((out / "students" / "ablation.json").read_text())
+    arms = ["baseline", "logit_kd", "logit_kd_rows", "kv", "kv_shuffled"]
+    assert list(ablation["variants"]) == arms
+    for name in arms:  # each arm trained as named, read from its run dir
+        config = yaml.safe_load((out / "students" / "runs" / name / "seed_0" / "kvdistill_config.yaml").read_text())
+        assert config["max_steps"] == 4 and config["data_split"] == "teacher_pool"
+        assert (config["logit_kd_weight"] > 0) == name.startswith("logit_kd")
+        assert (config["kv_weight"] > 0) == name.startswith("kv")
+    rows = yaml.safe_load((out / "students" / "runs" / "logit_kd_rows" / "seed_0" / "kvdistill_config.yaml").read_text())
+    assert rows["logit_kd_rows"] == "field:name"
+    shuffled = yaml.safe_load((out / "students" / "runs" / "kv_shuffled" / "seed_0" / "kvdistill_config.yaml").read_text())
+    assert shuffled["teacher_control"] == "shuffled"
+    # the report opens with the students' table: every arm, KV beside SFT and beside its shuffled control
+    section = report.split("**What transfers**")[1].split("**Teachers' quality gate**")[0]
+    kv = ablation["variants"]["kv"]
+    assert re.search(re.escape(f"| KV, line/query rows | {kv['accuracy']['mean']:.3f} (") + r".*"
+                     + re.escape(f"| Baseline (SFT) | {kv['comparisons']['baseline']['bootstrap']['mean_diff']:+.3f} ["),
+                     section)
+    assert "| | | | KV, shuffled teacher (control) |" in section
+    assert report.index("**What transfers**") < report.index("**Teachers' quality gate**")
 
 
 def test_each_task_has_its_own_default_output_dir():
-    assert parse_config(DemoConfig, [], "demo").output_dir == "outputs/demo"
+    assert parse_config(DemoConfig, [], "demo").task == "binding"  # the embedded default (issue 51)
+    assert parse_config(DemoConfig, [], "demo").output_dir == "outputs/demo_binding"
+    assert parse_config(DemoConfig, ["--task", "arithmetic"], "demo").output_dir == "outputs/demo"
     for task in ("binding", "modular"):
         assert parse_config(DemoConfig, ["--task", task], "demo").output_dir == f"outputs/demo_{task}"
     assert parse_config(DemoConfig, ["--task", "binding", "--out", "x"], "demo").output_dir == "x"

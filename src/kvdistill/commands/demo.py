@@ -1,5 +1,11 @@
 """`kvdistill demo`: distillation in a regime where it can matter, end to end on a laptop CPU, offline.
 
+The default (`--task binding`, issue 51) is the regime where a teacher's K/V measurably beats its controls:
+one-hop variable binding, from the teachers shipped in assets/binding/ (copied, gated and probed), then
+the students of `configs/demo/binding/students.yaml` (SFT, logit KD on the answer rows and on the line and
+query rows, KV on those rows, KV from a shuffled teacher) through `kvdistill ablate`, in a few minutes on 2
+cores. `--task modular` builds the modular regime's assets; `--task arithmetic` runs the original demo:
+
 1. data: a pool of generated 2-step arithmetic word problems for the teachers; the student's
    small labelled subset of it; a dev split (teacher gate, learning curve, settings) and a
    test split (the only one reported)
@@ -27,17 +33,19 @@ with the options that differ, never reported as this demo's.
 `kvdistill ablate --config configs/demo/evidence.yaml` runs the full evidence ablation on the
 assets this writes.
 
-`--task binding|modular` builds instead what the evidence ablation of that regime needs (issue 31,
+`--task binding|modular` builds what the evidence ablation of that regime needs (issue 31,
 docs/tasks.md), from `configs/demo/<task>/` (`run_regime`): the task's splits, the tokenizers and
 random-init models of its `models.json`, the teachers (teacher_other on other_task) gated on their
 held-out splits, the probe audit of each teacher on dev, the student's SFT curve and budget (no
-transfer set), and `report.md` with the assets `configs/demo/evidence_<task>.yaml` reads.
+transfer set), the students of demo.yaml's `students:` (binding) and `report.md` with the assets
+`configs/demo/evidence_<task>.yaml` reads.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +53,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config, read_yaml
 from kvdistill.evaluate.comparisons import accuracy_curve
@@ -108,10 +118,11 @@ SIZES = {
 class DemoConfig:
     """Options of `kvdistill demo`."""
 
-    output_dir: str | None = option(None, "Output directory (default outputs/demo; outputs/demo_<task> for binding "
-                                    "and modular).", aliases=["--out"])
-    task: str = option("arithmetic", f"The regime, one of {TASKS}: binding and modular build the data, gated "
-                       "teachers, probe audit and SFT curve of configs/demo/<task>/ (docs/tasks.md).")
+    output_dir: str | None = option(None, "Output directory (default outputs/demo_<task>; outputs/demo for "
+                                    "arithmetic).", aliases=["--out"])
+    task: str = option("binding", f"The regime, one of {TASKS}: binding (the default: shipped teachers, then "
+                       "students with and without their K/V) and modular build the data, gated teachers, probe "
+                       "audit and SFT curve of configs/demo/<task>/ (docs/tasks.md); arithmetic is the first demo.")
     quick: bool = option(False, "~2-minute smoke version (tiny data and steps, no quality gate).")
     seed: int = option(0, "Seed of data, inits and training.")
     workers: int = option(2, "Trainings run at once, one process each (one per CPU core).")
@@ -151,12 +162,21 @@ def config_path(name: str) -> Path:
 PROGRESS_S = 30  # the console hears from every running job at least this often
 
 
-def progress_line(name: str, argv: list[str], elapsed: float) -> str:
+ABLATE_DONE = re.compile(r"^\[(\d+)/(\d+)\] .*: (done|finished, skipped|from report .*)$", re.M)  # ablate's log
+
+
+def progress_line(name: str, argv: list[str], elapsed: float, log: Path | None = None) -> str:
     """`name: kvdistill train, step 40/300, 52 s, ETA 338 s` for a running `kvdistill` command: a
     training's steps are read from its `metrics.jsonl` (the total from `--max_steps`, else its
-    `--config`), the ETA extrapolated from the steps done so far."""
+    `--config`), an ablation's finished runs from its `log`; the ETA extrapolated from those done so far."""
     flags = dict(zip(argv[1::2], argv[2::2]))
     line = f"    {name}: kvdistill {argv[0]}, {elapsed:.0f} s"
+    if argv[0] == "ablate" and log is not None and log.exists():
+        done = ABLATE_DONE.findall(log.read_text(errors="replace"))
+        if done:
+            total = int(done[0][1])
+            eta = f", ETA {elapsed / len(done) * (total - len(done)):.0f} s" if len(done) < total else ""
+            return f"    {name}: kvdistill ablate, {len(done)}/{total} runs done, {elapsed:.0f} s{eta}"
     if argv[0] != "train" or "--output_dir" not in flags:
         return line
     total = flags.get("--max_steps")
@@ -198,7 +218,7 @@ def run_parallel(jobs: dict[str, list[list[str]]], workers: int, logs: Path) -> 
         if time.time() - said >= PROGRESS_S:
             said = time.time()
             for name, (_, _, _, argv, t0) in running.items():
-                print(progress_line(name, argv, said - t0), flush=True)
+                print(progress_line(name, argv, said - t0, logs / f"{name}.log"), flush=True)
         for name, (proc, fh, rest, _, _) in list(running.items()):
             if proc.poll() is None:
                 continue
@@ -476,11 +496,11 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
     `quick`'s tiny data has its own tokenizer: it always trains its tiny teachers)."""
     task, s = regime.task, regime.settings
     gate = s.gate if gate is None else gate
-    t0, data = time.time(), out / "data"
-    _log(f"[1/6] {task} data -> {data}")
+    t0, data, stages = time.time(), out / "data", 7 if s.students else 6
+    _log(f"[1/{stages}] {task} data -> {data}")
     sizes = regimes.write_data(task, s.data, data, seed)
     print("    " + ", ".join(f"{split} {n}" for split, n in sizes.items()))
-    _log(f"[2/6] tokenizers and random-init models of configs/demo/{task}/models.json -> {out / 'init'}")
+    _log(f"[2/{stages}] tokenizers and random-init models of configs/demo/{task}/models.json -> {out / 'init'}")
     init = regimes.build_models(CONFIG_DIR / task / "models.json", data, out / "init", seed)
 
     student_split = regime.models.models["student"].data
@@ -497,8 +517,8 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
     steps = ", ".join(f"{n} {(s.teacher_overrides or {}).get(n, {}).get('max_steps', s.teacher_steps)} steps"
                       for n in regime.teachers if n not in shipped)
     copied = f"{', '.join(sorted(shipped))} copied from {regimes.ASSETS / task} (--retrain_teachers trains them)"
-    _log(f"[3/6] teachers ({'; '.join(x for x in (copied if shipped else '', steps) if x)}), quality gate {gate:.2f} on "
-         f"their held-out splits; beside them [5/6] the SFT learning curve of the student on its "
+    _log(f"[3/{stages}] teachers ({'; '.join(x for x in (copied if shipped else '', steps) if x)}), quality gate {gate:.2f} on "
+         f"their held-out splits; beside them [5/{stages}] the SFT learning curve of the student on its "
          f"{sizes[student_split]} labelled records")
     fresh, argvs = train_teachers(out, data, init, {n: (split, gate_split, sizes[gate_split]) for n, (split, gate_split)
                                                     in regime.teachers.items()},
@@ -510,7 +530,7 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
         path = regimes.ship_teachers(task, out, list(regime.teachers), gates, argvs, environment())
         print(f"    shipped {', '.join(regime.teachers)} -> {path.parent}")
 
-    _log(f"[4/6] probe audit: {s.probe.get('target')} at {s.probe.get('rows')} rows of dev, each teacher beside its "
+    _log(f"[4/{stages}] probe audit: {s.probe.get('target')} at {s.probe.get('rows')} rows of dev, each teacher beside its "
          "untrained copy")
     jobs = {}
     probes = {name: out / "probe" / name for name in regime.teachers}
@@ -527,14 +547,40 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
     run_parallel(jobs, workers, out / "logs")
     curve = record_curve(out, curve_run, sizes[student_split])
 
-    _log("[6/6] report")
+    students = None
+    if s.students:
+        config = write_students(out, task, s.students)
+        ablation = read_yaml(config, "students")
+        _log(f"[6/{stages}] students: {', '.join(v if isinstance(v, str) else v['name'] for v in ablation['variants'])}, "
+             f"seeds {', '.join(map(str, ablation['seeds']))}, {ablation['workers']} at once: kvdistill ablate --config "
+             f"{config}")
+        run_parallel({"students": [["ablate", "--config", str(config)]]}, 1, out / "logs")
+        students = regimes.students_section(read_json(out / "students" / "ablation.json"), f"{out / 'students'}/")
+
+    _log(f"[{stages}/{stages}] report")
     assets = evidence_assets(out, regime, curve["budget"])
     text = regimes.regime_report(task, out, gates, gate, {n: read_json(p / "probe.json") for n, p in probes.items()}, curve,
-                                 assets, {n: read_json(p / "layout.json") for n, p in layouts.items()})
+                                 assets, {n: read_json(p / "layout.json") for n, p in layouts.items()}, students)
     report = write_text_atomic(out / "report.md", text)
     print("\n" + text.split("\n![")[0])
     print(f"\nreport: {report}  ({time.time() - t0:.0f} s)")
     return report
+
+
+def write_students(out: Path, task: str, students: dict[str, Any]) -> Path:
+    """`<out>/students.yaml`: the ablation `students['config']` of configs/demo/<task>/ with demo.yaml's other
+    `students:` keys over it (quick's steps, say) and every `{out}` in it this demo's output dir."""
+    template = config_path(f"{task}/{students['config']}")
+    spec = regimes.merged(read_yaml(template, "students"), {k: v for k, v in students.items() if k != "config"})
+
+    def fill(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: fill(v) for k, v in x.items()}
+        return [fill(v) for v in x] if isinstance(x, list) else x.replace("{out}", str(out)) if isinstance(x, str) else x
+
+    spec = fill(spec)
+    spec["base_config"] = str(template.parent / spec["base_config"])  # the written copy is not beside it
+    return write_text_atomic(out / "students.yaml", yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))
 
 
 def _params(path: Path) -> int:

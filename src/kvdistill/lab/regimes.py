@@ -272,15 +272,18 @@ class DemoSettings:
     teachers: list[str] | None = None  # the models trained and gated as teachers (None: all but the student)
     teacher_overrides: dict[str, dict[str, Any]] | None = None  # teacher -> `kvdistill train` options over teacher.yaml
     layout: dict[str, dict[str, Any]] | None = None  # teacher -> `kvdistill layout` options (numbers, generator)
+    # the students stage: `config`, an ablation YAML beside demo.yaml with `{out}` for the output dir, and keys
+    # over it (seeds, overrides, eval, workers): the demo runs it from what it built (`students_section`)
+    students: dict[str, Any] | None = None
 
 
 PER_TEACHER = {"teacher_overrides": "teacher_other: {learning_rate: 1.0e-3}, its train options over teacher.yaml",
                "layout": "teacher_other: {numbers: 17, generator: 3}, its kvdistill layout options"}
 
 
-def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """`base` updated by `over`, a mapping into a mapping key by key, at any depth."""
-    return {k: _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return {k: merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
             for k, v in {**base, **over}.items()}
 
 
@@ -290,8 +293,9 @@ def read_settings(path: str | Path, quick: bool = False) -> DemoSettings:
     raw = read_yaml(path, "demo settings")
     over = raw.pop("quick", {}) if quick else {}
     raw.pop("quick", None)
-    raw = _merged(raw, over)
-    names, optional = set(DemoSettings.__dataclass_fields__), {"teachers", "teacher_overrides", "layout"}
+    raw = merged(raw, over)
+    names, optional = set(DemoSettings.__dataclass_fields__), {"teachers", "teacher_overrides", "layout",
+                                                          "students"}
     if not names - optional <= set(raw) <= names:
         raise ConfigError(f"{path}: needs the keys {sorted(names - optional)} (optional: {sorted(optional)}, "
                           f"quick:); missing {sorted(names - optional - set(raw))}, unknown {sorted(set(raw) - names)}")
@@ -300,6 +304,8 @@ def read_settings(path: str | Path, quick: bool = False) -> DemoSettings:
     for key, example in PER_TEACHER.items():
         if not all(isinstance(v, dict) for v in (raw.get(key) or {}).values()):
             raise ConfigError(f"{path}: {key} maps a teacher's name to its options (e.g. {example})")
+    if raw.get("students") is not None and not isinstance((raw["students"] or {}).get("config"), str):
+        raise ConfigError(f"{path}: students needs `config:`, the ablation YAML beside demo.yaml (e.g. students.yaml)")
     if not 0 <= raw["gate"] <= 1:
         raise ConfigError(f"{path}: gate {raw['gate']} is not an accuracy; set it between 0 and 1")
     return DemoSettings(**raw)
@@ -337,11 +343,11 @@ def layout_rows(layout: dict[str, Any]) -> list[str]:
 
 def regime_report(task: str, out: Path, gates: dict[str, tuple[str, float]], gate: float,
                   probes: dict[str, dict[str, Any]], curve: dict[str, Any], assets: str,
-                  layouts: dict[str, dict[str, Any]] | None = None) -> str:
-    """The markdown of `report.md`: the teachers' gate, the probe audit (and the layout audit), the SFT curve
-    and budget, the assets."""
+                  layouts: dict[str, dict[str, Any]] | None = None, students: list[str] | None = None) -> str:
+    """The markdown of `report.md`: the students' table when the demo ran them (`students_section`), the
+    teachers' gate, the probe audit (and the layout audit), the SFT curve and budget, the assets."""
     first = next(iter(probes.values()))
-    lines = [f"# kvdistill demo --task {task}", "",
+    lines = [f"# kvdistill demo --task {task}", "", *([*students, ""] if students else []),
              f"**Teachers' quality gate** (greedy accuracy on their held-out split; gate {gate:.2f}):", "",
              "| teacher | split | accuracy |", "|---|---|---:|",
              *[f"| {name} | {split} | {acc:.3f} |" for name, (split, acc) in gates.items()], "",
@@ -367,6 +373,31 @@ def regime_report(task: str, out: Path, gates: dict[str, tuple[str, float]], gat
               f"`sft_curve.png`): {points}. Budget: {curve['budget']} steps, the first at >= 95 % of the best "
               f"({curve['best']:.3f} at step {curve['best_step']}; dev {curve['at_budget']:.3f} there).", "",
               f"**Assets** `configs/demo/evidence_{task}.yaml` reads (what this demo wrote under `{out}`):", "",
-              "```yaml", assets, "```", "", "![SFT curve](sft_curve.png)",
+              "```yaml", assets, "```", "", *(["![students](students/ablation_accuracy.png)"] if students else []),
+              "![SFT curve](sft_curve.png)",
               *[f"![probe {n}](probe/{n}/probe.png)" for n in probes], ""]
     return "\n".join(lines)
+
+
+def students_section(report: dict[str, Any], where: str) -> list[str]:
+    """The students' table of `report.md`, from their ablation's report (`ablation.json` at `where`): each
+    arm's test accuracy (mean, then per seed) and answer NLL, and beside it each comparison the ablation made
+    (its reference, then its controls): the difference and the item-level bootstrap interval of accuracy."""
+    variants = report["variants"]
+    n = {r["n"] for v in variants.values() for r in v["runs"].values()}
+    lines = [f"**What transfers** (`{where}`): the students on {'/'.join(map(str, sorted(n)))} test records, seeds "
+             f"{', '.join(map(str, report['seeds']))}; Δ is the arm minus the one it is compared with, its interval the "
+             f"bootstrap over (seed, record) pairs ({report['n_resamples']:,} resamples): the test set's variance, "
+             "with so few seeds hardly the training's.", "",
+             "| arm | test accuracy (per seed) | answer NLL | compared with | Δ accuracy [95 % CI] | Δ answer NLL |",
+             "|---|---|---:|---|---:|---:|"]
+    for v in variants.values():
+        per_seed = ", ".join(f"{r['accuracy']:.3f}" for r in v["runs"].values())
+        head = f"| {v['label']} | {v['accuracy']['mean']:.3f} ({per_seed}) | {v['answer_nll']['mean']:.3f} |"
+        if not v["comparisons"]:
+            lines.append(f"{head} – | – | – |")
+        for k, (ref, c) in enumerate(v["comparisons"].items()):
+            b = c["bootstrap"]
+            lines.append(f"{head if k == 0 else '| | | |'} {variants[ref]['label']} | {b['mean_diff']:+.3f} "
+                         f"[{b['ci_low']:+.3f}, {b['ci_high']:+.3f}] | {c['answer_nll']['mean_diff']:+.3f} |")
+    return lines
