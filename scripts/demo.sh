@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One command: set up and run the embedded default (CPU, offline; about 8 min on 2 cores after setup).
+# One command: set up and run the embedded default, the binding regime (CPU, offline; about 9 min on 2 cores
+# after setup; `--task arithmetic` for the first demo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

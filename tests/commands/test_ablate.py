@@ -420,6 +420,11 @@ def test_controls_references_and_the_primary_comparison(tmp_path):
     assert "**significant, in the reference's favour**" in ablate.render.render_markdown(flipped)
     assert "## Against the controls" in md and "| +Relation | +Relation, shuffled teacher |" in md
     assert "| Privileged KV, no rationale | privileged_kv_untrained | not run |" in md
+    # a control not run is no verdict: never "does not beat its reference and all controls" for it
+    verdict = next(line for line in md.splitlines() if line.startswith("- Privileged KV, no rationale:"))
+    assert verdict.startswith("- Privileged KV, no rationale: not judged against all controls (privileged_kv_untrained, "
+                              "privileged_kv_shuffled: not run in this ablation); ")
+    assert verdict.endswith("does not beat every one that was run.")  # 0.1 vs SFT-no-rationale's 0.1
     # relation vs shuffled (0.8 vs 0.75 on 200 items x 5 seeds) need not be significant: the verdict follows
     verdict = next(line for line in md.splitlines() if line.startswith("- +Relation:"))
     beats_all = all(

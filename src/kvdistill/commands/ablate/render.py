@@ -143,8 +143,16 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         lines.append("")
         for row in controlled.values():
             refs = [row["reference"], *row["controls"]]
-            ok = all(meets(r, row["comparisons"].get(r)) for r in refs)
-            lines.append(f"- {row['label']}: {'**beats its reference and all controls**' if ok else 'does not beat its reference and all controls'}.")
+            # a control this ablation did not run is no verdict either way: say which, and what the run ones show
+            missing = [label.get(r, r) for r in refs if r not in row["comparisons"]]
+            ok = all(meets(r, row["comparisons"][r]) for r in refs if r in row["comparisons"])
+            if missing:
+                verdict = (f"not judged against all controls ({', '.join(missing)}: not run in this ablation); "
+                           f"{'beats' if ok else 'does not beat'} every one that was run")
+            else:
+                verdict = "**beats its reference and all controls**" if ok else \
+                    "does not beat its reference and all controls"
+            lines.append(f"- {row['label']}: {verdict}.")
     lines += render_continuous(report)
     n_seeds = min((len(r["seeds"]) for r in report["variants"].values()), default=0)
     lines += [
