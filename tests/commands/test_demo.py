@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import yaml
@@ -156,7 +157,11 @@ def test_a_fresh_rerun_gives_the_same_bytes(demo_out, tmp_path):
     """Every model and evaluation of the demo made again from scratch elsewhere (~16 child processes)."""
     again = tmp_path / "demo_again"
     assert demo_main(["--task", "arithmetic", "--quick", "--output_dir", str(again), "--workers", "2"]) == 0
-    assert (again / "report.md").read_text() == (demo_out / "report.md").read_text().replace(str(demo_out), str(again))
+    def numbers(report: Path) -> str:  # the environment line names the allocator, which differs between the
+        # fixture's in-process runs and these child processes: what is compared is every number of the report
+        return "\n".join(x for x in report.read_text().splitlines() if not x.startswith("Environment of the student"))
+
+    assert numbers(again / "report.md") == numbers(demo_out / "report.md").replace(str(demo_out), str(again))
     models = sorted(p.relative_to(demo_out) for p in demo_out.glob("*/*/model.safetensors"))
     assert len(models) == 9  # random inits (3), trained teachers (2), SFT curve, 3 students
     for rel in models + sorted(p.relative_to(demo_out) for p in demo_out.glob("eval/*/items.jsonl")):
