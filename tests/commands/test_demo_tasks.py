@@ -107,7 +107,7 @@ def test_demo_modular_quick_end_to_end(tmp_path, monkeypatch, capsys, runner, in
 
 def test_demo_binding_quick_end_to_end(tmp_path, monkeypatch, in_process):
     """The binding regime's assets: one-hop programs with recall beside them in the teachers' pool, whole-line
-    tokens, untied compositional inits, both teachers gated and probed on their line and query tokens."""
+    tokens, untied compositional inits, the three teachers gated and probed on their line and query tokens."""
     monkeypatch.setattr(demo, "run_parallel", in_process)
     out = tmp_path / "demo"
     assert demo_main(["--task", "binding", "--quick", "--output_dir", str(out)]) == 0
@@ -119,11 +119,12 @@ def test_demo_binding_quick_end_to_end(tmp_path, monkeypatch, in_process):
     for name in ("teacher_qwen2", "teacher_llama", "teacher_other", "student"):
         assert json.loads((out / "init" / name / "config.json").read_text())["tie_word_embeddings"] is False
     report = (out / "report.md").read_text()
-    for name in ("teacher_qwen2", "teacher_other"):
+    for name in ("teacher_qwen2", "teacher_other", "teacher_llama"):
         probe = json.loads((out / "probe" / name / "probe.json").read_text())
         assert (probe["target"], probe["rows"]) == ("field:value", "field:name")
         assert f"| {name} | " in report.split("**Probe audit**")[1]
-    assert not (out / "teachers" / "teacher_llama").exists()
+    llama = yaml.safe_load((out / "teachers" / "teacher_llama" / "kvdistill_config.yaml").read_text())
+    assert llama["data_split"] == "teacher_pool" and llama["accuracy_stop"] == 0.0  # quick's overrides over demo.yaml's
     assert json.loads((out / "sft_curve.json").read_text())["budget"] in (2, 4)
     # the students stage: students.yaml with `{out}` filled in and quick's keys over it, run by kvdistill ablate
     spec = yaml.safe_load((out / "students.yaml").read_text())
@@ -203,7 +204,8 @@ def test_binding_regime_configs_are_complete():
     """What `--task binding` reads, read as it does: the teachers, their gate splits and the probe target."""
     regime = demo.Regime.load("binding", quick=True)
     assert regime.teachers == {"teacher_qwen2": ("teacher_pool", "teacher_dev"),
-                               "teacher_other": ("other_task", "other_task_dev")}
+                               "teacher_other": ("other_task", "other_task_dev"),
+                               "teacher_llama": ("teacher_pool", "teacher_dev")}
     assert (regime.settings.probe["target"], regime.settings.probe["rows"]) == ("field:value", "field:name")
     assert regime.models.models["student"].sizes["num_hidden_layers"] >= 3
 
@@ -240,16 +242,16 @@ def test_shipped_teachers_are_copied_checked_and_never_trained(tmp_path, monkeyp
     first = tmp_path / "first"
     demo.run_regime(first, regime, ship=True)  # what --ship_teachers does (its tiny teachers, for speed)
     manifest = json.loads((tmp_path / "assets" / "binding" / "manifest.json").read_text())
-    assert set(manifest["teachers"]) == {"teacher_qwen2", "teacher_other"}
+    assert set(manifest["teachers"]) == {"teacher_qwen2", "teacher_other", "teacher_llama"}
     assert manifest["teachers"]["teacher_qwen2"]["command"].startswith("kvdistill train --config ")
     calls.clear()
     capsys.readouterr()
     second = tmp_path / "second"
     demo.run_regime(second, regime)  # quick's settings, shipped teachers
-    assert f"teachers (teacher_other, teacher_qwen2 copied from {tmp_path / 'assets' / 'binding'}" in capsys.readouterr().out
+    assert f"teachers (teacher_llama, teacher_other, teacher_qwen2 copied from {tmp_path / 'assets' / 'binding'}" in capsys.readouterr().out
     trained = [Path(argv[argv.index("--output_dir") + 1]) for argv in calls if argv[0] == "train"]
     assert [p.name for p in trained] == ["sft_curve"]  # the student's curve only
-    for name in ("teacher_qwen2", "teacher_other"):
+    for name in ("teacher_qwen2", "teacher_other", "teacher_llama"):
         assert ((second / "teachers" / name / "model.safetensors").read_bytes()
                 == (first / "teachers" / name / "model.safetensors").read_bytes())
     asset = tmp_path / "assets" / "binding" / "teacher_qwen2" / "model.safetensors"
