@@ -164,6 +164,12 @@ def test_demo_settings_apply_quick_key_by_key_and_refuse_unknown_keys(tmp_path):
         path.write_text(valid + f"{key}: {{teacher_other: 17}}\n")
         with pytest.raises(ConfigError, match=f"{key} maps a teacher's name to its options"):
             read_settings(path)
+    for students in ("students.yaml", "{seeds: [0]}"):  # a bare file name, or no `config:`
+        path.write_text(valid + f"students: {students}\n")
+        with pytest.raises(ConfigError, match=r"students needs `config:`, the ablation YAML beside demo\.yaml"):
+            read_settings(path)
+    path.write_text(valid + "students: {config: students.yaml, seeds: [0]}\n")
+    assert read_settings(path).students == {"config": "students.yaml", "seeds": [0]}
 
 
 def test_demo_teachers_pick_who_is_trained_and_unknown_names_are_refused(tmp_path):

@@ -547,40 +547,46 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
     run_parallel(jobs, workers, out / "logs")
     curve = record_curve(out, curve_run, sizes[student_split])
 
-    students = None
+    students, students_plot = None, None
     if s.students:
-        config = write_students(out, task, s.students)
-        ablation = read_yaml(config, "students")
+        config, ablation = write_students(out, task, s.students)
         _log(f"[6/{stages}] students: {', '.join(v if isinstance(v, str) else v['name'] for v in ablation['variants'])}, "
              f"seeds {', '.join(map(str, ablation['seeds']))}, {ablation['workers']} at once: kvdistill ablate --config "
              f"{config}")
         run_parallel({"students": [["ablate", "--config", str(config)]]}, 1, out / "logs")
-        students = regimes.students_section(read_json(out / "students" / "ablation.json"), f"{out / 'students'}/")
+        where = Path(ablation["output_dir"])  # the ablation's own output dir, as students.yaml names it
+        students = regimes.students_section(read_json(where / "ablation.json"), f"{where}/")
+        students_plot = os.path.relpath(where / "ablation_accuracy.png", out)
 
     _log(f"[{stages}/{stages}] report")
     assets = evidence_assets(out, regime, curve["budget"])
     text = regimes.regime_report(task, out, gates, gate, {n: read_json(p / "probe.json") for n, p in probes.items()}, curve,
-                                 assets, {n: read_json(p / "layout.json") for n, p in layouts.items()}, students)
+                                 assets, {n: read_json(p / "layout.json") for n, p in layouts.items()}, students,
+                                 students_plot)
     report = write_text_atomic(out / "report.md", text)
     print("\n" + text.split("\n![")[0])
     print(f"\nreport: {report}  ({time.time() - t0:.0f} s)")
     return report
 
 
-def write_students(out: Path, task: str, students: dict[str, Any]) -> Path:
-    """`<out>/students.yaml`: the ablation `students['config']` of configs/demo/<task>/ with demo.yaml's other
-    `students:` keys over it (quick's steps, say) and every `{out}` in it this demo's output dir."""
+def write_students(out: Path, task: str, students: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """`<out>/students.yaml` and what it holds: the ablation `students['config']` of configs/demo/<task>/ with
+    demo.yaml's other `students:` keys over it (quick's steps, say) and every `{out}` in it this demo's output
+    dir."""
     template = config_path(f"{task}/{students['config']}")
     spec = regimes.merged(read_yaml(template, "students"), {k: v for k, v in students.items() if k != "config"})
 
     def fill(x: Any) -> Any:
         if isinstance(x, dict):
             return {k: fill(v) for k, v in x.items()}
-        return [fill(v) for v in x] if isinstance(x, list) else x.replace("{out}", str(out)) if isinstance(x, str) else x
+        if isinstance(x, list):
+            return [fill(v) for v in x]
+        return x.replace("{out}", str(out)) if isinstance(x, str) else x
 
     spec = fill(spec)
     spec["base_config"] = str(template.parent / spec["base_config"])  # the written copy is not beside it
-    return write_text_atomic(out / "students.yaml", yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))
+    path = write_text_atomic(out / "students.yaml", yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))
+    return path, spec
 
 
 def _params(path: Path) -> int:

@@ -25,7 +25,7 @@ import hashlib
 import inspect
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -294,8 +294,8 @@ def read_settings(path: str | Path, quick: bool = False) -> DemoSettings:
     over = raw.pop("quick", {}) if quick else {}
     raw.pop("quick", None)
     raw = merged(raw, over)
-    names, optional = set(DemoSettings.__dataclass_fields__), {"teachers", "teacher_overrides", "layout",
-                                                          "students"}
+    names = {f.name for f in fields(DemoSettings)}
+    optional = {f.name for f in fields(DemoSettings) if f.default is not MISSING}
     if not names - optional <= set(raw) <= names:
         raise ConfigError(f"{path}: needs the keys {sorted(names - optional)} (optional: {sorted(optional)}, "
                           f"quick:); missing {sorted(names - optional - set(raw))}, unknown {sorted(set(raw) - names)}")
@@ -304,7 +304,8 @@ def read_settings(path: str | Path, quick: bool = False) -> DemoSettings:
     for key, example in PER_TEACHER.items():
         if not all(isinstance(v, dict) for v in (raw.get(key) or {}).values()):
             raise ConfigError(f"{path}: {key} maps a teacher's name to its options (e.g. {example})")
-    if raw.get("students") is not None and not isinstance((raw["students"] or {}).get("config"), str):
+    students = raw.get("students")
+    if students is not None and not (isinstance(students, dict) and isinstance(students.get("config"), str)):
         raise ConfigError(f"{path}: students needs `config:`, the ablation YAML beside demo.yaml (e.g. students.yaml)")
     if not 0 <= raw["gate"] <= 1:
         raise ConfigError(f"{path}: gate {raw['gate']} is not an accuracy; set it between 0 and 1")
@@ -343,9 +344,11 @@ def layout_rows(layout: dict[str, Any]) -> list[str]:
 
 def regime_report(task: str, out: Path, gates: dict[str, tuple[str, float]], gate: float,
                   probes: dict[str, dict[str, Any]], curve: dict[str, Any], assets: str,
-                  layouts: dict[str, dict[str, Any]] | None = None, students: list[str] | None = None) -> str:
-    """The markdown of `report.md`: the students' table when the demo ran them (`students_section`), the
-    teachers' gate, the probe audit (and the layout audit), the SFT curve and budget, the assets."""
+                  layouts: dict[str, dict[str, Any]] | None = None, students: list[str] | None = None,
+                  students_plot: str | None = None) -> str:
+    """The markdown of `report.md`: the students' table when the demo ran them (`students_section`; their
+    accuracy plot at `students_plot`, relative to `out`), the teachers' gate, the probe audit (and the layout
+    audit), the SFT curve and budget, the assets."""
     first = next(iter(probes.values()))
     lines = [f"# kvdistill demo --task {task}", "", *([*students, ""] if students else []),
              f"**Teachers' quality gate** (greedy accuracy on their held-out split; gate {gate:.2f}):", "",
@@ -373,7 +376,7 @@ def regime_report(task: str, out: Path, gates: dict[str, tuple[str, float]], gat
               f"`sft_curve.png`): {points}. Budget: {curve['budget']} steps, the first at >= 95 % of the best "
               f"({curve['best']:.3f} at step {curve['best_step']}; dev {curve['at_budget']:.3f} there).", "",
               f"**Assets** `configs/demo/evidence_{task}.yaml` reads (what this demo wrote under `{out}`):", "",
-              "```yaml", assets, "```", "", *(["![students](students/ablation_accuracy.png)"] if students else []),
+              "```yaml", assets, "```", "", *([f"![students]({students_plot})"] if students_plot else []),
               "![SFT curve](sft_curve.png)",
               *[f"![probe {n}](probe/{n}/probe.png)" for n in probes], ""]
     return "\n".join(lines)
