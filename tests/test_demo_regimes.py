@@ -1,6 +1,7 @@
 """`kvdistill.lab.regimes`: a regime's data splits and the models its models.json names, built as written."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -11,7 +12,10 @@ from kvdistill.data import tokenize_example
 from kvdistill.fields import IGNORE
 from kvdistill.io import REPO_ROOT
 from kvdistill.lab.regimes import (
+    ASSETS,
+    MANIFEST,
     build_models,
+    check_shipped,
     probe_summary,
     read_models,
     read_settings,
@@ -198,3 +202,15 @@ def test_probe_summary_names_the_best_cell_and_the_one_training_added_most_to():
     (row,) = probe_summary(probe)
     assert (row["kind"], row["layer"], row["score"], row["untrained"]) == ("k_pre", 0, 0.9, 0.88)
     assert row["gain_at"] == "v @ 1" and row["gain"] == pytest.approx(0.4)
+
+
+def test_every_shipped_teacher_matches_its_manifest(tmp_path):
+    """assets/ as committed: every file a manifest lists (the demo's teachers, the two-hop teacher of
+    scripts/depth2.sh) has the bytes its SHA-256 says; one changed byte is named."""
+    assert (ASSETS / "binding" / "depth2" / MANIFEST).is_file()
+    assert check_shipped(ASSETS) == []
+    copy = tmp_path / "assets"
+    shutil.copytree(ASSETS / "binding" / "depth2", copy / "depth2")
+    weights = copy / "depth2" / "teacher_llama_d2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    assert check_shipped(copy) == [str(weights)]

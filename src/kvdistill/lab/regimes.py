@@ -180,23 +180,38 @@ def ship_teachers(task: str, out: Path, names: list[str], gates: dict[str, tuple
                   commands: dict[str, list[str]], environment: dict[str, Any]) -> Path:
     """Write the trained teachers `names` of the demo in `out` to `assets/<task>/` with their manifest
     (`gates`: name -> (split, accuracy); `commands`: the `kvdistill train` argv each was trained with)."""
-    teachers = {}
-    for name in names:
-        src, dst = out / "teachers" / name, ASSETS / task / name
-        dst.mkdir(parents=True, exist_ok=True)
-        for file in SHIPPED_FILES:
-            shutil.copyfile(src / file, dst / file)
-        split, acc = gates[name]
-        teachers[name] = {"files": {f: sha256_file(dst / f) for f in SHIPPED_FILES},
-                          "command": "kvdistill " + " ".join(repo_relative(a) if a.startswith("/") else a
-                                                             for a in commands[name]),
-                          "gate": {"split": split, "accuracy": acc},
-                          "train_summary": read_json(src / "train_summary.json")}
+    teachers = {name: ship_run(out / "teachers" / name, ASSETS / task / name, gates[name], commands[name])
+                for name in names}
     # the teachers trained in the demo's subprocesses, one torch thread each (demo.run_parallel); `environment`
     # is the shipping process's
     manifest = {"init": read_json(out / "init" / SAVED_SPEC), "teachers": teachers, "training_threads": 1,
                 "environment": environment}
     return write_json_atomic(ASSETS / task / MANIFEST, manifest)
+
+
+def ship_run(src: Path, dst: Path, gate: tuple[str, float], command: list[str]) -> dict[str, Any]:
+    """Copy the trained model of run dir `src` to `dst` (`SHIPPED_FILES`); returns its manifest entry: each
+    file's SHA-256, the `kvdistill` argv it was trained with, its gate `(split, accuracy)` and training summary."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for file in SHIPPED_FILES:
+        shutil.copyfile(src / file, dst / file)
+    split, acc = gate
+    return {"files": {f: sha256_file(dst / f) for f in SHIPPED_FILES},
+            "command": "kvdistill " + " ".join(repo_relative(a) if a.startswith("/") else a for a in command),
+            "gate": {"split": split, "accuracy": acc}, "train_summary": read_json(src / "train_summary.json")}
+
+
+def check_shipped(root: Path) -> list[str]:
+    """The files under `root` (a task's `assets/` dir, or one below it with its own manifest) whose bytes do not
+    match the SHA-256 their manifest records; `[]` when every shipped file is intact."""
+    bad = []
+    for manifest in sorted(root.rglob(MANIFEST)):
+        for name, entry in read_json(manifest)["teachers"].items():
+            for file, digest in entry["files"].items():
+                path = manifest.parent / name / file
+                if not path.is_file() or sha256_file(path) != digest:
+                    bad.append(str(path))
+    return bad
 
 
 def check_data(task: str, knobs: dict[str, Any]) -> None:
