@@ -2,7 +2,7 @@
 # The two-hop binding assets of configs/demo/evidence_binding_depth2.yaml (issue 51): its depth-2 data (~1 min) and
 # its teacher, teacher_llama_d2, copied from assets/binding/depth2/ after checking its hashes.
 #   bash scripts/depth2.sh            data + the shipped teacher
-#   bash scripts/depth2.sh --retrain  data + the teacher trained again (~10 min of one core), gated at 0.98 on dev
+#   bash scripts/depth2.sh --retrain  data + the teacher trained again (35 min on 2 busy cores), gated at 0.98 on dev
 #   bash scripts/depth2.sh --ship     --retrain, then written to assets/binding/depth2/ with its manifest (maintainers)
 # Needs the one-hop demo's outputs (kvdistill demo --task binding): its inits and tokenizer, and teacher_llama, which
 # the two-hop teacher is fine-tuned from.
@@ -36,7 +36,7 @@ fi
 train=(train --config configs/demo/binding/teacher.yaml --student "$demo/teachers/teacher_llama" --data "$out/data"
        --data_split teacher_pool --max_steps 6000 --seed 0 --accuracy_eval_steps 500 --accuracy_eval_split teacher_dev
        --accuracy_eval_limit 300 --accuracy_eval_max_new_tokens 4 --accuracy_stop 0.98 --output_dir "$teacher")
-[ -f "$teacher/train_summary.json" ] || OMP_NUM_THREADS=1 kvdistill "${train[@]}"
+[ -f "$teacher/train_summary.json" ] || kvdistill "${train[@]}"  # torch's default threads, as shipped
 # its gate: the 300 dev programs, which chose nothing (the demo's gate reads each teacher's held-out split the same way)
 evaluate=(eval --model "$teacher" --data "$out/data" --split dev --limit 300 --batch_size 100 --max_new_tokens 48
           --max_length 256 --output_dir "$out/eval_dev/teacher_llama_d2" --no_progress)
@@ -45,14 +45,15 @@ evaluate=(eval --model "$teacher" --data "$out/data" --split dev --limit 300 --b
 python - "$demo/init" "$teacher" "$out/eval_dev/teacher_llama_d2" "${train[*]}" <<'EOF'
 import sys
 from pathlib import Path
-from kvdistill.lab.regimes import ASSETS, SAVED_SPEC, ship_run
-from kvdistill.io import read_json, write_json_atomic
+import torch
+from kvdistill.io import read_json
+from kvdistill.lab.regimes import ASSETS, ship_run, write_manifest
 from kvdistill.report import environment
 init, teacher, gate, command = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4].split()
 acc = read_json(gate / "summary.json")["accuracy"]
 entry = ship_run(teacher, ASSETS / "binding/depth2/teacher_llama_d2", ("dev", acc), command)
-path = write_json_atomic(ASSETS / "binding/depth2/manifest.json",
-                         {"init": read_json(init / SAVED_SPEC), "teachers": {"teacher_llama_d2": entry},
-                          "training_threads": 1, "environment": environment()})
+# trained in this script's shell, with torch's default threads: the count this process gets
+path = write_manifest(ASSETS / "binding/depth2", init, {"teacher_llama_d2": entry}, torch.get_num_threads(),
+                      environment())
 print(f"shipped teacher_llama_d2 (dev {acc:.3f}) -> {path.parent}")
 EOF

@@ -161,10 +161,9 @@ def install_teacher(task: str, name: str, init: Path, dst: Path) -> None:
         raise ConfigError(f"the shipped {task} teachers were trained from the inits of seed {manifest['init']['seed']} "
                           f"and the data knobs of configs/demo/{task}/demo.yaml as committed; {init} was built "
                           f"otherwise: run with --seed {manifest['init']['seed']} and those knobs, {retrain}")
-    for file, digest in entry["files"].items():
-        if not (src / file).is_file() or sha256_file(src / file) != digest:
-            raise ConfigError(f"{src / file} is missing or does not match its SHA-256 in {ASSETS / task / MANIFEST} "
-                              f"(a Git LFS pointer or an edited file); restore it with `git checkout -- {src}`, {retrain}")
+    if changed := changed_files(src, entry):
+        raise ConfigError(f"{changed[0]} is missing or does not match its SHA-256 in {ASSETS / task / MANIFEST} "
+                          f"(a Git LFS pointer or an edited file); restore it with `git checkout -- {src}`, {retrain}")
     if (dst / "model.safetensors").is_file():
         if sha256_file(dst / "model.safetensors") == entry["files"]["model.safetensors"]:
             return
@@ -182,11 +181,16 @@ def ship_teachers(task: str, out: Path, names: list[str], gates: dict[str, tuple
     (`gates`: name -> (split, accuracy); `commands`: the `kvdistill train` argv each was trained with)."""
     teachers = {name: ship_run(out / "teachers" / name, ASSETS / task / name, gates[name], commands[name])
                 for name in names}
-    # the teachers trained in the demo's subprocesses, one torch thread each (demo.run_parallel); `environment`
-    # is the shipping process's
-    manifest = {"init": read_json(out / "init" / SAVED_SPEC), "teachers": teachers, "training_threads": 1,
-                "environment": environment}
-    return write_json_atomic(ASSETS / task / MANIFEST, manifest)
+    # the teachers trained in the demo's subprocesses, one torch thread each (demo.run_parallel)
+    return write_manifest(ASSETS / task, out / "init", teachers, 1, environment)
+
+
+def write_manifest(root: Path, init: Path, teachers: dict[str, dict], threads: int,
+                   environment: dict[str, Any]) -> Path:
+    """`root/manifest.json` of shipped `teachers` (`ship_run` entries), trained from the inits in `init` with
+    `threads` torch threads; `environment` is the shipping process's."""
+    return write_json_atomic(root / MANIFEST, {"init": read_json(init / SAVED_SPEC), "teachers": teachers,
+                                               "training_threads": threads, "environment": environment})
 
 
 def ship_run(src: Path, dst: Path, gate: tuple[str, float], command: list[str]) -> dict[str, Any]:
@@ -204,14 +208,15 @@ def ship_run(src: Path, dst: Path, gate: tuple[str, float], command: list[str]) 
 def check_shipped(root: Path) -> list[str]:
     """The files under `root` (a task's `assets/` dir, or one below it with its own manifest) whose bytes do not
     match the SHA-256 their manifest records; `[]` when every shipped file is intact."""
-    bad = []
-    for manifest in sorted(root.rglob(MANIFEST)):
-        for name, entry in read_json(manifest)["teachers"].items():
-            for file, digest in entry["files"].items():
-                path = manifest.parent / name / file
-                if not path.is_file() or sha256_file(path) != digest:
-                    bad.append(str(path))
-    return bad
+    return [str(path) for manifest in sorted(root.rglob(MANIFEST))
+            for name, entry in read_json(manifest)["teachers"].items()
+            for path in changed_files(manifest.parent / name, entry)]
+
+
+def changed_files(src: Path, entry: dict[str, Any]) -> list[Path]:
+    """The files of shipped teacher dir `src` missing or not matching the SHA-256 its manifest `entry` records."""
+    return [src / file for file, digest in entry["files"].items()
+            if not (src / file).is_file() or sha256_file(src / file) != digest]
 
 
 def check_data(task: str, knobs: dict[str, Any]) -> None:
