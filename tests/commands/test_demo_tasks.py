@@ -246,6 +246,12 @@ def test_shipped_teachers_are_copied_checked_and_never_trained(tmp_path, monkeyp
     assert manifest["teachers"]["teacher_qwen2"]["command"].startswith("kvdistill train --config ")
     calls.clear()
     capsys.readouterr()
+    demo.run_regime(first, regime, ship=True)  # shipped again: the teachers it trained are reused, and it says so
+    stage = next(line for line in capsys.readouterr().out.splitlines() if "] teachers (" in line)
+    assert f"(teacher_llama, teacher_other, teacher_qwen2 already trained in {first / 'teachers'})" in stage, stage
+    assert not [argv for argv in calls if argv[0] == "train"]
+    calls.clear()
+    capsys.readouterr()
     second = tmp_path / "second"
     demo.run_regime(second, regime)  # quick's settings, shipped teachers
     assert f"teachers (teacher_llama, teacher_other, teacher_qwen2 copied from {tmp_path / 'assets' / 'binding'}" in capsys.readouterr().out

@@ -514,10 +514,14 @@ def run_regime(out: Path, regime: Regime, seed: int = 0, workers: int = 2, gate:
     shipped = frozenset(regime.teachers) & set(manifest.get("teachers", {}))
     for name in sorted(shipped):
         regimes.install_teacher(task, name, out / "init", out / "teachers" / name)
+    # a teacher trained by an earlier run of this output dir is reused (train_teachers checks its settings)
+    reused = sorted(n for n in regime.teachers if n not in shipped and trained(out / "teachers" / n))
     steps = ", ".join(f"{n} {(s.teacher_overrides or {}).get(n, {}).get('max_steps', s.teacher_steps)} steps"
-                      for n in regime.teachers if n not in shipped)
+                      for n in regime.teachers if n not in shipped and n not in reused)
     copied = f"{', '.join(sorted(shipped))} copied from {regimes.ASSETS / task} (--retrain_teachers trains them)"
-    _log(f"[3/{stages}] teachers ({'; '.join(x for x in (copied if shipped else '', steps) if x)}), quality gate {gate:.2f} on "
+    kept = f"{', '.join(reused)} already trained in {out / 'teachers'}"
+    parts = (copied if shipped else "", kept if reused else "", steps)
+    _log(f"[3/{stages}] teachers ({'; '.join(x for x in parts if x)}), quality gate {gate:.2f} on "
          f"their held-out splits; beside them [5/{stages}] the SFT learning curve of the student on its "
          f"{sizes[student_split]} labelled records")
     fresh, argvs = train_teachers(out, data, init, {n: (split, gate_split, sizes[gate_split]) for n, (split, gate_split)
