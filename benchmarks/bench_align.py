@@ -3,7 +3,10 @@
 Forward + backward of `KVAligner` (flat, linear K/V projectors, segment time alignment,
 proportional layer map) + the Mercator loss at real shapes — teacher 28 layers x 4 KV heads x
 head dim 128 (Qwen2-1.5B-like), student 24 x 2 x 64, B=2, T_s=512, T_t=600, three segments with
-per-sample lengths and padding.
+per-sample lengths and padding — and at the real pair's (Gemma-3-270m teaching SmolLM2-135M:
+teacher 18 x 1 x 256, student 30 x 3 x 64, read from models/real/*/config.json when
+`scripts/real_pair.sh` installed it; random tensors, so the models are not needed), B=2,
+T_s=480, T_t=420: more student layers than teacher layers, one teacher KV head.
 
 - floor: the K and V projection matmuls alone (forward + backward) on already-aligned teacher
   tensors, work every implementation has to do. Headline: `over_floor` = aligner / floor
@@ -14,6 +17,8 @@ per-sample lengths and padding.
 - plain stages: the same aligner with `fused = False`: gather (`resample_kv`), then the projector.
 - naive reference: the prototype's way, Python loops over student layers, samples and segments,
   one small projection and loss per iteration.
+- real pair: fused and floor at the real pair's shapes, `real_pair_over_floor`, the same target;
+  `passed` needs both.
 All compute the same loss from the same projector weights (checked: `max_abs_diff_*`, and the
 fused and plain gradients: `max_abs_grad_diff`).
 
@@ -33,7 +38,9 @@ numbers are this process's CPU time, which other jobs on a shared machine do not
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,13 +50,31 @@ from torch import Tensor
 from kvdistill.align.aligner import KVAligner
 from kvdistill.align.time import TimeIndex, kv_bags, resample_kv
 from kvdistill.cache import ANSWER, PAD, PROMPT, REASONING, KVCache
-from kvdistill.commands.bench import interleaved_times, run_standalone, torch_threads
+from kvdistill.commands.bench import interleaved_times, load_benchmark, run_standalone, torch_threads
 from kvdistill.commands.profile import measure
 from kvdistill.losses import aligned_kv_loss, build_kv_loss
+from kvdistill.real_pair import STUDENT, TEACHER
 
 FULL = {"L_t": 28, "H_t": 4, "D_t": 128, "L_s": 24, "H_s": 2, "D_s": 64, "B": 2, "T_s": 512, "T_t": 600}
 QUICK = {"L_t": 6, "H_t": 4, "D_t": 32, "L_s": 4, "H_s": 2, "D_s": 16, "B": 2, "T_s": 64, "T_t": 80}
+# the real pair's caches where models/real is absent (kvdistill.real_pair's docstring)
+REAL_PAIR = {"L_t": 18, "H_t": 1, "D_t": 256, "L_s": 30, "H_s": 3, "D_s": 64}
+# below Gemma's 512-token sliding window (max_length <= 511); its 262k vocabulary cuts text into fewer tokens
+REAL_TIMES, REAL_TIMES_QUICK = {"B": 2, "T_s": 480, "T_t": 420}, {"B": 2, "T_s": 64, "T_t": 56}
 TARGET = 1.3
+
+
+def real_pair_shapes() -> tuple[dict[str, int], str]:
+    """The real pair's cache shapes `{L_t, H_t, D_t, L_s, H_s, D_s}` and where they came from."""
+    dirs = load_benchmark(Path(__file__).with_name("bench_step.py")).real_pair_dirs()
+    if dirs is None:
+        return REAL_PAIR, "kvdistill.real_pair (models/real absent)"
+    shapes = {}
+    for side, name in (("t", TEACHER), ("s", STUDENT)):
+        c = json.loads((dirs[name] / "config.json").read_text())
+        shapes |= {f"L_{side}": c["num_hidden_layers"], f"H_{side}": c["num_key_value_heads"],
+                   f"D_{side}": c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]}
+    return shapes, "models/real/*/config.json"
 
 
 def _segment_row(T: int, parts: tuple[float, float, float], valid: int, left_pad: bool) -> list[int]:
@@ -145,6 +170,46 @@ def naive_reference(
 # --------------------------------------------------------------------------------------------
 
 
+class Case:
+    """One shape's caches, aligner and loss, and the calls timed on them: the aligner + loss and its floor."""
+
+    def __init__(self, cfg: dict[str, int], device: torch.device):
+        self.teacher, self.student = make_inputs(cfg, device)
+        self.aligner = KVAligner(mode="flat", time_mode="segment", projector="linear").to(device)
+        self.aligner.setup(self.teacher, self.student)
+        self.loss_fn = build_kv_loss("mercator")
+        self.w_k = (self.aligner.k_proj.proj.weight, self.aligner.k_proj.proj.bias)
+        self.w_v = (self.aligner.v_proj.proj.weight, self.aligner.v_proj.proj.bias)
+        self.params = [*self.aligner.parameters(), self.student.keys, self.student.values]
+        self.idx = self.aligner.time_index(self.teacher, self.student)
+        self.layers = (self.aligner._src_layers, self.aligner._src_weights)
+        self.pre_k, self.pre_v = (x.flatten(-2) for x in self.gather(self.idx))  # [L_s, B, T_s, H_t*D_t]
+
+    def zero_grad(self) -> None:  # every case starts from freed grads, outside the timed call
+        for p in self.params:
+            p.grad = None
+
+    def aligned(self, fused: bool, backward: bool = True) -> Tensor:
+        self.aligner.fused = fused
+        loss, _ = aligned_kv_loss(self.loss_fn, self.aligner(self.teacher, self.student))
+        if backward:
+            loss.backward()
+        return loss.detach()
+
+    def gather(self, index: TimeIndex) -> tuple[Tensor, Tensor]:  # [L_s, B, T_s, H_t, D_t] each, materialised
+        return resample_kv(self.teacher.keys, index, *self.layers), resample_kv(self.teacher.values, index, *self.layers)
+
+    def floor(self) -> Tensor:
+        loss = F.linear(self.pre_k, *self.w_k).sum() + F.linear(self.pre_v, *self.w_v).sum()  # [L_s, B, T_s, F_s] each
+        loss.backward()
+        return loss.detach()
+
+
+def _shapes(cfg: dict[str, int]) -> str:
+    return (f"teacher {cfg['L_t']}x{cfg['B']}x{cfg['H_t']}x{cfg['T_t']}x{cfg['D_t']}, "
+            f"student {cfg['L_s']}x{cfg['B']}x{cfg['H_s']}x{cfg['T_s']}x{cfg['D_s']}")
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     """Time the aligner + loss, its stages and its floor; a JSON-able dict for `kvdistill bench`."""
     with torch_threads(1):
@@ -156,37 +221,24 @@ def _run(quick: bool) -> dict[str, Any]:
     repeats = 3 if quick else 9
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    teacher, student = make_inputs(cfg, device)
-    aligner = KVAligner(mode="flat", time_mode="segment", projector="linear").to(device)
-    aligner.setup(teacher, student)
-    loss_fn = build_kv_loss("mercator")
+    case = Case(cfg, device)
+    real_shapes, shapes_from = real_pair_shapes()
+    real_cfg = real_shapes | (REAL_TIMES_QUICK if quick else REAL_TIMES)
+    real = Case(real_cfg, device)
+    teacher, student, aligner, loss_fn = case.teacher, case.student, case.aligner, case.loss_fn
     layer_src = aligner.layer_map.argmax(1).tolist()  # proportional: one teacher layer per row
-    w_k = (aligner.k_proj.proj.weight, aligner.k_proj.proj.bias)
-    w_v = (aligner.v_proj.proj.weight, aligner.v_proj.proj.bias)
-    params = [*aligner.parameters(), student.keys, student.values]
 
-    def zero_grad() -> None:  # every case starts from freed grads, outside the timed call
-        for p in params:
-            p.grad = None
-
-    def aligned(fused: bool, backward: bool = True) -> Tensor:
-        aligner.fused = fused
-        loss, _ = aligned_kv_loss(loss_fn, aligner(teacher, student))
-        if backward:
-            loss.backward()
-        return loss.detach()
+    def zero_grad() -> None:
+        case.zero_grad()
+        real.zero_grad()
 
     def naive() -> Tensor:
-        loss = naive_reference(teacher, student, layer_src, w_k, w_v)
+        loss = naive_reference(teacher, student, layer_src, case.w_k, case.w_v)
         loss.backward()
         return loss.detach()
 
-    idx = aligner.time_index(teacher, student)
+    idx, layers = case.idx, case.layers
     lo_only = TimeIndex(idx.lo, idx.lo, torch.zeros_like(idx.lam), idx.valid, exact=True)
-    layers = (aligner._src_layers, aligner._src_weights)
-
-    def gather(index: TimeIndex) -> tuple[Tensor, Tensor]:  # [L_s, B, T_s, H_t, D_t] each, materialised
-        return resample_kv(teacher.keys, index, *layers), resample_kv(teacher.values, index, *layers)
 
     def gather_by_layer(index: TimeIndex) -> None:  # the fused path's reads: one layer's bags at a time
         rows, weights = kv_bags(teacher.keys.shape, index, *layers)  # [L_s, B, T_s, H_t, K]
@@ -195,16 +247,9 @@ def _run(quick: bool) -> dict[str, Any]:
                 F.embedding_bag(r.flatten(0, -2), x.reshape(-1, x.shape[-1]), per_sample_weights=w.flatten(0, -2),
                                 mode="sum")
 
-    pre_k, pre_v = (x.flatten(-2) for x in gather(idx))  # [L_s, B, T_s, H_t*D_t]
-
-    def floor() -> Tensor:
-        loss = F.linear(pre_k, *w_k).sum() + F.linear(pre_v, *w_v).sum()  # [L_s, B, T_s, F_s] each
-        loss.backward()
-        return loss.detach()
-
     def projections() -> None:
         with torch.no_grad():
-            F.linear(pre_k, *w_k), F.linear(pre_v, *w_v)
+            F.linear(case.pre_k, *case.w_k), F.linear(case.pre_v, *case.w_v)
 
     def student_layout() -> None:
         aligner._layout(aligner.student_layers(student.keys)), aligner._layout(aligner.student_layers(student.values))
@@ -227,27 +272,29 @@ def _run(quick: bool) -> dict[str, Any]:
 
     # correctness: fused == plain (loss and every gradient) == naive loops (loss)
     diffs = {}
-    for name, fn in (("fused", lambda: aligned(True)), ("plain", lambda: aligned(False)), ("naive", naive)):
+    for name, fn in (("fused", lambda: case.aligned(True)), ("plain", lambda: case.aligned(False)), ("naive", naive)):
         zero_grad()
-        diffs[name] = (fn(), [p.grad.clone() for p in params])
+        diffs[name] = (fn(), [p.grad.clone() for p in case.params])
     grad_diff = max(float((a - b).abs().max()) for a, b in zip(diffs["fused"][1], diffs["plain"][1]))
 
     main = {
-        "fused": lambda: aligned(True),
-        "plain": lambda: aligned(False),
+        "fused": lambda: case.aligned(True),
+        "plain": lambda: case.aligned(False),
         "naive": naive,
-        "floor": floor,
+        "floor": case.floor,
+        "real fused": lambda: real.aligned(True),
+        "real floor": real.floor,
     }
     stages = {
         "time index + bags": lambda: kv_bags(teacher.keys.shape, aligner.time_index(teacher, student), *layers),
         "teacher gather by layer, no interpolation": lambda: gather_by_layer(lo_only),
         "teacher gather by layer (fused path's reads)": lambda: gather_by_layer(idx),
-        "teacher gather whole (plain path)": lambda: gather(idx),
+        "teacher gather whole (plain path)": lambda: case.gather(idx),
         "K/V projections, forward": projections,
         "student layout (time-major copy)": student_layout,
         "loss, forward": loss_forward,
         "loss, forward + backward": loss_backward,
-        "fused forward (all)": lambda: aligned(True, backward=False),
+        "fused forward (all)": lambda: case.aligned(True, backward=False),
     }
     t = interleaved_times({**main, **stages}, repeats, device=device, setup=zero_grad)
     peaks = {}
@@ -255,14 +302,18 @@ def _run(quick: bool) -> dict[str, Any]:
         zero_grad()
         peaks[name] = measure(main[name], device)[2] / 2**20
     fused_ms = t.ms("fused")
+    real_over_floor = t.ratio("real fused", "real floor")
     rows = [
         {"case": "KVAligner + loss (fused)", "ms": fused_ms, "over_floor": t.ratio("fused", "floor")},
         {"case": "plain stages (fused=False)", "ms": t.ms("plain"), "over_floor": t.ratio("plain", "floor")},
         {"case": "naive reference (loops)", "ms": t.ms("naive"), "over_floor": t.ratio("naive", "floor")},
         {"case": "floor (K/V projection matmuls)", "ms": t.ms("floor"), "over_floor": 1.0},
+        {"case": "real pair shapes: KVAligner + loss (fused)", "ms": t.ms("real fused"), "over_floor": real_over_floor},
+        {"case": "real pair shapes: floor", "ms": t.ms("real floor"), "over_floor": 1.0},
     ]
     for row, name in zip(rows, main):
-        row.update(cpu_ms=t.ms(name, "cpu"), cpu_over_floor=t.ratio(name, "floor", "cpu"), peak_mib=peaks[name])
+        base = "real floor" if name.startswith("real") else "floor"
+        row.update(cpu_ms=t.ms(name, "cpu"), cpu_over_floor=t.ratio(name, base, "cpu"), peak_mib=peaks[name])
     for name in stages:
         rows.append({"case": f"stage: {name}", "ms": t.ms(name), "cpu_ms": t.ms(name, "cpu"),
                      "share": t.ms(name) / fused_ms})
@@ -270,21 +321,19 @@ def _run(quick: bool) -> dict[str, Any]:
     rows.append({"case": "stage: backward (fused - fused forward)", "ms": backward_ms,
                  "cpu_ms": t.ms("fused", "cpu") - t.ms("fused forward (all)", "cpu"), "share": backward_ms / fused_ms})
     over_floor = t.ratio("fused", "floor")
-    shapes = (
-        f"teacher {cfg['L_t']}x{cfg['B']}x{cfg['H_t']}x{cfg['T_t']}x{cfg['D_t']}, "
-        f"student {cfg['L_s']}x{cfg['B']}x{cfg['H_s']}x{cfg['T_s']}x{cfg['D_s']}"
-    )
     return {
         "name": "align",
         "title": "KV alignment + loss, forward + backward, against its floor",
-        "description": f"{shapes}; flat mode, linear K/V projectors, segment time alignment, Mercator loss; "
-        f"median of {repeats} interleaved repeats (paired ratios), 1 torch thread, {device.type}. "
-        "Stage rows: each forward step timed alone, share = of the fused total. cpu_*: process CPU time.",
+        "description": f"{_shapes(cfg)}; real pair shapes ({shapes_from}): {_shapes(real_cfg)}; flat mode, linear "
+        f"K/V projectors, segment time alignment, Mercator loss; median of {repeats} interleaved repeats (paired "
+        f"ratios), 1 torch thread, {device.type}. Stage rows: each forward step of the first shapes timed alone, "
+        "share = of the fused total. cpu_*: process CPU time. passed: both shapes within the target.",
         "results": rows,
         "ratio": over_floor,
         "target": TARGET,
-        "passed": over_floor <= TARGET,
+        "passed": over_floor <= TARGET and real_over_floor <= TARGET,
         "over_floor": over_floor,
+        "real_pair_over_floor": real_over_floor,
         "cpu_over_floor": t.ratio("fused", "floor", "cpu"),
         "speedup_vs_naive": t.ratio("naive", "fused"),
         "max_abs_diff_fused_vs_plain": float((diffs["fused"][0] - diffs["plain"][0]).abs()),

@@ -2,10 +2,10 @@
 
 Layout of a capture directory (one per run config, `teacher_capture: DIR`)::
 
-    DIR/<teacher name>/manifest.json          settings, fingerprints, shard list, complete flag
-    DIR/<teacher name>/shard-00000.safetensors
+    DIR/<teacher name>/manifest.json                 settings, the shards' record ranges, complete flag
+    DIR/<teacher name>/shard-<first record>.safetensors
 
-A shard holds the records of consecutive batches, time-major and unpadded, concatenated over
+A shard holds the records `[start, stop)` of consecutive batches, time-major and unpadded, concatenated over
 records: `keys`, `values` `[sum T_i, L, H, D]`, `segment_ids` `[sum T_i]`, optional `hidden_states`
 `[sum T_i, L+1, d]`, `logits` `[sum T_i, V]` or, for a run whose head losses are chunked, the final
 hidden states `final_hidden` `[sum T_i, d]` in their place (the settings say `logits: final_hidden`;
@@ -19,9 +19,15 @@ map refuses the capture); reading puts them back at their indices of `[T_i, L, H
 the other layers, where every layer-map weight is 0 (the map is fixed, never learned), so the
 aligner reads what a full capture gives. With `capture_keep < 1` a record holds only the kept
 positions of its rationale (`compress_rationale`), so `T_i` is shorter than the teacher's input.
-Shards are written to a temp name and renamed; the manifest is rewritten after every shard and says
-`complete: true` only after the last, so a killed capture is resumed shard by shard and an
-incomplete one is never used.
+
+Manifest format 2 (`FORMAT`): `{format, settings, n_records, teacher_dtype, complete, shards: [{name, start,
+stop, tokens, positions}], tokens, positions}`. The main process writes it twice: first as the plan
+(`complete: false`; `plan_shards` cuts the records into shards, and a shard already on disk keeps its place),
+then, when every process has written its shards, complete. Each shard's safetensors header carries its
+`start`, `stop`, `tokens` (teacher input tokens), `positions` (stored) and a hash of the settings, so the
+shard itself is the progress record: it is written to a temp name and renamed, and one whose header does not
+read back, or names other settings, is captured again. A killed capture therefore resumes from the shards
+present, on any number of processes. Format 1 (a list of shard names, one process) is still read.
 
 Bytes per token per teacher: 2 (K and V) × L × H_kv × D × bytes per value, e.g. Qwen2-7B
 (L 28, H_kv 4, D 128) in bf16: 2 × 28 × 4 × 128 × 2 = 57,344 B = 56 KiB per token, 28 MiB per
@@ -35,8 +41,10 @@ map of a 24-layer student (Qwen2.5-0.5B) that reads 12 of the 28 layers stores 2
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,9 +59,9 @@ from kvdistill.align.compress import Compression, compress_cache
 from kvdistill.cache import REASONING, KVCache
 from kvdistill.config import ConfigError
 from kvdistill.io import nbytes, read_json, write_json_atomic, writing
-from kvdistill.teachers import TeacherCache
 
 MANIFEST = "manifest.json"
+FORMAT = 2  # manifest and shard-header format; 1: one process, a list of shard names
 CAPTURE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FLOAT_FIELDS = ("keys", "values", "hidden_states", "logits", "final_hidden", "queries")
 _KV_FIELDS = ("keys", "values", "queries")  # `[T, L, H, D]`: `capture_layers: mapped` keeps some of their layers
@@ -133,9 +141,9 @@ def compress_rationale(kv: KVCache, keep: float, method: Compression = "uniform"
 
 
 def write_shard(path: Path, entries: list[tuple[int, dict[str, Tensor]]], dtype: torch.dtype,
-                layers: list[int] | None = None) -> None:
+                layers: list[int] | None = None, header: Mapping[str, Any] | None = None) -> None:
     """Write `(record id, TeacherCache entry)` pairs as one shard (temp file, then rename); with
-    `layers`, keys and values keep only those teacher layers."""
+    `layers`, keys and values keep only those teacher layers; `header` goes into its metadata (as strings)."""
     lengths = [e["segment_ids"].shape[0] for _, e in entries]
     tensors = {
         "index": torch.tensor([i for i, _ in entries], dtype=torch.int64),  # [n]
@@ -150,50 +158,115 @@ def write_shard(path: Path, entries: list[tuple[int, dict[str, Tensor]]], dtype:
             tensors[field] = x.to(dtype).contiguous()
     tmp = path.with_name(path.name + ".tmp")
     with writing(path, nbytes(tensors), scratch=tmp):  # a full disk: no temp left, one error naming the shard
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp), metadata={k: str(v) for k, v in (header or {}).items()})
         os.replace(tmp, path)
 
 
+def shard_name(start: int) -> str:
+    """A shard is named by its first record: shards never overlap, so names never clash."""
+    return f"shard-{start:05d}.safetensors"
+
+
+def plan_shards(done: list[dict], n_records: int, batch_size: int, processes: int, max_records: int) -> list[dict]:
+    """The shards `[{name, start, stop}]` that cover records `[0, n_records)`, in order.
+
+    The shards of `done` (headers read back from disk) keep their place where they do not overlap one
+    kept before; the gaps between them are cut into shards of whole batches counted from the gap's start
+    (so a batch holds the records a one-process capture batches together), at most `max_records` each,
+    and at least `processes` of them where the gaps hold that many batches, so every process has work.
+    """
+    kept, end = [], 0
+    for s in sorted(done, key=lambda s: s["start"]):
+        if s["start"] >= end and s["stop"] <= n_records:
+            kept.append(s)
+            end = s["stop"]
+    gaps, at = [], 0
+    for s in [*kept, {"start": n_records, "stop": n_records}]:
+        if s["start"] > at:
+            gaps.append((at, s["start"]))
+        at = s["stop"]
+    batches = sum(math.ceil((b - a) / batch_size) for a, b in gaps)
+    per = batch_size * max(1, min(max_records // batch_size, math.ceil(batches / processes)))  # records per shard
+    new = [{"name": shard_name(a), "start": a, "stop": min(a + per, b)} for lo, b in gaps for a in range(lo, b, per)]
+    return sorted([*kept, *new], key=lambda s: s["start"])
+
+
+def rank_shards(plan: list[dict], rank: int, processes: int) -> list[dict]:
+    """The shards of `plan` that process `rank` writes: a contiguous run of the ones not yet done."""
+    todo = [s for s in plan if "tokens" not in s]  # done shards carry their header's counts
+    return todo[rank * len(todo) // processes : (rank + 1) * len(todo) // processes]
+
+
 class CaptureWriter:
-    """Shards and manifest of one teacher's capture; resumes a partial capture with equal settings."""
+    """One teacher's capture directory: its plan, the shards of this process, the final manifest.
+
+    Under several processes the main one calls `plan` and `finish`, each process `rank_shards` of the
+    plan and `add` for each of them; the caller puts a barrier between the three steps.
+    """
 
     def __init__(self, root: Path, settings: Mapping[str, Any]):
         self.root = root
         self.settings = dict(settings)
+        self.fingerprint = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:16]
         root.mkdir(parents=True, exist_ok=True)
-        old = read_json(root / MANIFEST, None)
+
+    def plan(self, n_records: int, batch_size: int, processes: int, max_records: int, teacher_dtype: str) -> None:
+        """(Main process) check the directory, plan the shards around those present, and write the plan as the
+        manifest (`complete: false`); `teacher_dtype` (fp32/bf16/fp16) is what a reader casts back to."""
+        old = read_json(self.root / MANIFEST, None)
         if old is not None and old["settings"] != self.settings:
-            raise CaptureError(f"{root} holds a capture with other settings ({_diff(old['settings'], self.settings)} "
+            raise CaptureError(f"{self.root} holds a capture with other settings ({_diff(old['settings'], self.settings)} "
                                "differ); delete it or set another teacher_capture")
-        self.shards: list[str] = [] if old is None else list(old["shards"])
+        if old is not None and old.get("format") != FORMAT:
+            raise CaptureError(f"{self.root} holds a format-1 capture (one process, made by an older kvdistill); "
+                               "training reads it as it is; delete it to capture again")
+        done = [h for p in sorted(self.root.glob("shard-*.safetensors")) if (h := self.header(p)) is not None]
+        shards = plan_shards(done, n_records, batch_size, processes, max_records)
+        self._write({"format": FORMAT, "settings": self.settings, "n_records": n_records,
+                     "teacher_dtype": teacher_dtype, "complete": False, "shards": shards})
 
-    def done(self, k: int) -> bool:
-        """Shard `k` was written by an earlier (killed) run with the same settings."""
-        return k < len(self.shards) and (self.root / self.shards[k]).exists()
+    def shards(self) -> list[dict]:
+        """The plan's shards (`plan` wrote them): each `{name, start, stop}`, with `tokens`, `positions` once done."""
+        return read_json(self.root / MANIFEST)["shards"]
 
-    def add(self, k: int, entries: list[tuple[int, dict[str, Tensor]]]) -> None:
-        name = f"shard-{k:05d}.safetensors"
+    def add(self, shard: Mapping[str, Any], entries: list[tuple[int, dict[str, Tensor]]], tokens: int) -> None:
+        """Write one planned shard: the entries of its records in order, `tokens` teacher input tokens."""
         layers = self.settings.get("capture_layers")
-        write_shard(self.root / name, entries, CAPTURE_DTYPES[self.settings["capture_dtype"]],
-                    None if layers is None else layers["kept"])
-        self.shards = [*self.shards[:k], name]
-        self._write_manifest(complete=False)
+        header = {"format": FORMAT, "settings": self.fingerprint, "start": shard["start"], "stop": shard["stop"],
+                  "tokens": tokens, "positions": sum(e["segment_ids"].shape[0] for _, e in entries)}
+        write_shard(self.root / shard["name"], entries, CAPTURE_DTYPES[self.settings["capture_dtype"]],
+                    None if layers is None else layers["kept"], header)
 
-    def positions(self) -> int:
-        """Time positions stored over all shards written so far."""
-        total = 0
-        for name in self.shards:
-            with safe_open(str(self.root / name), framework="pt") as f:
-                total += f.get_slice("segment_ids").get_shape()[0]
-        return total
+    def header(self, path: Path) -> dict | None:
+        """`{name, start, stop, tokens, positions}` of a shard of this capture on disk; None when it is absent,
+        does not read back (cut short: never trusted), or was written with other settings."""
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+        except (SafetensorError, OSError):
+            return None
+        if meta.get("settings") != self.fingerprint:
+            return None
+        return {"name": path.name, **{k: int(meta[k]) for k in ("start", "stop", "tokens", "positions")}}
 
-    def finish(self, n_records: int, teacher_dtype: str) -> None:
-        """Mark the capture complete; `teacher_dtype` (fp32/bf16/fp16) is what a reader casts back to."""
-        self._write_manifest(complete=True, n_records=n_records, teacher_dtype=teacher_dtype)
+    def finish(self) -> dict:
+        """(Main process, after every process's `add`) check that every planned shard is on disk and mark the
+        capture complete; returns the manifest."""
+        plan = read_json(self.root / MANIFEST)
+        shards = []
+        for s in plan["shards"]:
+            h = self.header(self.root / s["name"])
+            if h is None or (h["start"], h["stop"]) != (s["start"], s["stop"]):
+                raise CaptureError(f"capture shard {self.root / s['name']} (records {s['start']}-{s['stop']}) is "
+                                   "missing after every process finished; rerun the same `kvdistill capture`")
+            shards.append(h)
+        manifest = {**plan, "complete": True, "shards": shards, "tokens": sum(s["tokens"] for s in shards),
+                    "positions": sum(s["positions"] for s in shards)}
+        self._write(manifest)
+        return manifest
 
-    def _write_manifest(self, complete: bool, **extra: Any) -> None:
-        write_json_atomic(self.root / MANIFEST, {"settings": self.settings, "shards": self.shards,
-                                                  "complete": complete, **extra})
+    def _write(self, manifest: dict) -> None:
+        write_json_atomic(self.root / MANIFEST, manifest)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -210,8 +283,8 @@ def read_manifest(root: Path, settings: Mapping[str, Any]) -> dict:
         raise CaptureError(f"no capture at {root} ({MANIFEST} missing); run `kvdistill capture` with this "
                            "run's config first")
     if not manifest.get("complete"):
-        raise CaptureError(f"capture {root} is incomplete ({len(manifest['shards'])} shards written); rerun "
-                           "`kvdistill capture` with the same config to finish it")
+        raise CaptureError(f"capture {root} is incomplete; rerun `kvdistill capture` with the same config (on any "
+                           "number of processes) to finish it")
     if settings.get("queries") and not manifest["settings"].get("queries"):
         raise CaptureError(f"capture {root} holds no queries (made for another kv_loss), and kv_loss attention "
                            "reads them; capture again with this run's config")
@@ -226,38 +299,79 @@ def read_manifest(root: Path, settings: Mapping[str, Any]) -> dict:
     return manifest
 
 
-def load_capture(root: Path, settings: Mapping[str, Any], cache: TeacherCache, key: tuple) -> int:
-    """Fill `cache` under `key` with every record of the capture at `root`; returns the record count.
+class CaptureReader(Mapping[int, dict[str, Tensor]]):
+    """A complete capture made with `settings`, as `{record id: TeacherCache entry}`, read when asked.
 
-    Tensors are read through safetensors' memory map and cast back to the teacher's own dtype,
-    so the training code sees what a live teacher would have given (rounded to the stored dtype).
-    A `capture_layers: mapped` capture's kept layers go back to their indices (`unmap_layers`).
+    Opening it reads the manifest only (format 2: the shards' record ranges; format 1: each shard's `index`).
+    An entry is read from its shard through safetensors' memory map, only its record's rows of each tensor,
+    and cast back to the teacher's own dtype, so training sees what a live teacher would have given (rounded
+    to the stored dtype); a `capture_layers: mapped` capture's kept layers go back to their indices
+    (`unmap_layers`). Nothing is kept but each opened shard's offsets: a process reads the shards of the
+    records it is given and no other, and holds one batch of entries at a time (`TeacherCache.read_from`).
     """
-    manifest = read_manifest(root, settings)
-    live = CAPTURE_DTYPES[manifest["teacher_dtype"]]
-    layers = manifest["settings"].get("capture_layers")
-    n = 0
-    for name in manifest["shards"]:
+
+    def __init__(self, root: Path, settings: Mapping[str, Any]):
+        self.root = Path(root)
+        manifest = read_manifest(self.root, settings)
+        self._live = CAPTURE_DTYPES[manifest["teacher_dtype"]]
+        self._layers = manifest["settings"].get("capture_layers")
+        shards = manifest["shards"] if manifest.get("format") == FORMAT else [self._span(n) for n in manifest["shards"]]
+        self._names = [s["name"] for s in shards]
+        self._starts = [s["start"] for s in shards]  # record ids of a shard: [start, stop), in order
+        self._offsets: dict[int, list[int]] = {}  # shard -> where each of its records starts, read on first use
+        self._n = manifest["n_records"]
+        if [0, *(s["stop"] for s in shards)] != [*self._starts, self._n]:  # each shard starts where one stops
+            raise CaptureError(f"capture {self.root}: its shards do not hold records 0-{self._n} once each, as its "
+                               "manifest says; capture again")
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        return iter(range(self._n))
+
+    def __contains__(self, i: object) -> bool:  # without reading the entry (Mapping's default would)
+        return isinstance(i, int) and 0 <= i < self._n
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        if i not in self:
+            raise KeyError(i)
+        k = bisect.bisect_right(self._starts, i) - 1
+        path = self.root / self._names[k]
         try:
-            with safe_open(str(root / name), framework="pt") as f:
-                t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+            with safe_open(str(path), framework="pt") as f:
+                if k not in self._offsets:
+                    self._offsets[k] = self._check(path, f, k)
+                a, b = self._offsets[k][i - self._starts[k]], self._offsets[k][i - self._starts[k] + 1]
+                entry = {"segment_ids": f.get_slice("segment_ids")[a:b].long()}  # [T_i]
+                for field in (x for x in _FLOAT_FIELDS if x in f.keys()):  # noqa: SIM118 (safe_open is not iterable)
+                    x = f.get_slice(field)[a:b]  # [T_i, ...]
+                    if self._layers is not None and field in _KV_FIELDS:
+                        x = unmap_layers(x, self._layers)  # [T_i, L, H, D]
+                    entry[field] = x.to(self._live)
         except (SafetensorError, OSError) as err:  # truncated or missing shard
-            raise CaptureError(f"capture shard {root / name} cannot be read ({type(err).__name__}: {err}); capture "
+            raise CaptureError(f"capture shard {path} cannot be read ({type(err).__name__}: {err}); capture "
                                "again into an empty teacher_capture directory") from None
-        for f in _KV_FIELDS if layers is not None else ():
-            if f in t:  # queries only in a kv_loss attention capture
-                t[f] = unmap_layers(t[f], layers)  # [sum T, L, H, D]
-        starts = t["offsets"].tolist()
-        for j, i in enumerate(t["index"].tolist()):
-            a, b = starts[j], starts[j + 1]
-            entry = {"segment_ids": t["segment_ids"][a:b].long()}
-            entry.update({f: t[f][a:b].to(live) for f in _FLOAT_FIELDS if f in t})
-            cache.add(key, i, entry)
-            n += 1
-    if n != manifest["n_records"]:
-        raise CaptureError(f"capture {root} holds {n} records, its manifest says {manifest['n_records']}; "
-                           "capture again")
-    return n
+        return entry
+
+    def _check(self, path: Path, f: Any, k: int) -> list[int]:
+        """Shard `k`'s record offsets `[n + 1]`, after checking it holds the records the manifest says."""
+        index = f.get_tensor("index")  # [n]
+        stop = self._starts[k + 1] if k + 1 < len(self._starts) else self._n
+        if not torch.equal(index, torch.arange(self._starts[k], stop)):
+            raise CaptureError(f"capture shard {path} does not hold records {self._starts[k]}-{stop}, as the manifest "
+                               "says; capture again")
+        return f.get_tensor("offsets").tolist()
+
+    def _span(self, name: str) -> dict:
+        """A format-1 shard's record range, from its `index`."""
+        try:
+            with safe_open(str(self.root / name), framework="pt") as f:
+                index = f.get_tensor("index")  # [n]
+        except (SafetensorError, OSError) as err:
+            raise CaptureError(f"capture shard {self.root / name} cannot be read ({type(err).__name__}: {err}); "
+                               "capture again into an empty teacher_capture directory") from None
+        return {"name": name, "start": int(index[0]), "stop": int(index[-1]) + 1}
 
 
 def unmap_layers(x: Tensor, layers: Mapping[str, Any]) -> Tensor:

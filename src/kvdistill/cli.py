@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "layout": ("kvdistill.commands.layout", "how a model lays out the numbers 0..p-1: Fourier share and circulant R² of its layer-0 codes"),
     "probe": ("kvdistill.commands.probe", "linear probes: which layer's K / V / hidden state carries a target -> JSON + heatmap"),
     "demo": ("kvdistill.commands.demo", "the embedded default: teachers -> layer maps -> students -> report (CPU, offline)"),
+    "prune": ("kvdistill.commands.prune", "a shallower copy of a causal LM (some of its layers, weights copied) -> model dir"),
     "profile": ("kvdistill.commands.profile", "shapes, time and memory of each alignment stage for a model pair"),
     "ab-projector": ("kvdistill.commands.ab_projector", "Linear vs Elastic Bottleneck projector A/B test (seed 000)"),
     "bench": ("kvdistill.commands.bench", "benchmarks: alignment, CKA and step overhead -> JSON + Markdown"),

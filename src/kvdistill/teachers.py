@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -108,13 +109,21 @@ class TeacherCache:
 
     def __init__(self):
         self._store: dict[tuple, dict[str, Tensor]] = {}  # (*key, record id) -> entry
+        self._read: dict[tuple, Mapping[int, dict[str, Tensor]]] = {}  # key -> a capture's entries, read when asked
 
     def __len__(self) -> int:
-        return len(self._store)
+        return len(self._store) + sum(len(r) for r in self._read.values())
+
+    def read_from(self, key: tuple, entries: Mapping[int, dict[str, Tensor]]) -> None:
+        """Serve `key`'s records from `entries` (`{record id: entry}`, a `capture.CaptureReader`): each batch
+        reads its own records, and they are not kept, so a process reads only what its batches hold (under DDP,
+        its share of the records) and the memory of one batch, whatever the capture's size."""
+        self._read[key] = entries
 
     def missing(self, key: tuple, index: Tensor) -> list[int]:
         """The record ids of `index` with no entry under `key`."""
-        return [int(i) for i in index if (*key, int(i)) not in self._store]
+        read = self._read.get(key, {})
+        return [int(i) for i in index if (*key, int(i)) not in self._store and int(i) not in read]
 
     def has(self, key: tuple, index: Tensor) -> bool:
         return not self.missing(key, index)
@@ -152,7 +161,7 @@ class TeacherCache:
         final hidden states `[B, T, d]` stored in their place)."""
         from torch.nn.utils.rnn import pad_sequence
 
-        entries = [self._store[(*key, int(i))] for i in index]
+        entries = [self._store.get((*key, int(i))) or self._read[key][int(i)] for i in index]
 
         def stack(field: str, pad: float = 0.0) -> Tensor:
             return pad_sequence([e[field] for e in entries], batch_first=True, padding_value=pad).to(device)
@@ -293,7 +302,8 @@ class TeacherSet:
             out, kv = forward_with_kv(
                 t.model, input_ids, attention_mask, segment_ids, key_space=key_space,
                 output_hidden_states=output_hidden_states or head, queries=queries,
-                **({"logits_to_keep": 1} if head else {}),  # the head runs on the last position only
+                # the head runs on the last position only when its logits are not read (none, or hidden states)
+                **({"logits_to_keep": 1} if head or not return_logits else {}),
             )
         finally:
             if self.offload and not _is_quantized(t.model):

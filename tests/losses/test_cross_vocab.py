@@ -5,7 +5,12 @@ import torch
 import torch.nn.functional as F
 
 from kvdistill.losses import logit_kd_sum
-from kvdistill.losses.cross_vocab import cross_vocab_kd_sum, shared_boundaries, vocab_intersection
+from kvdistill.losses.cross_vocab import (
+    cross_vocab_div,
+    cross_vocab_kd_sum,
+    shared_boundaries,
+    vocab_intersection,
+)
 
 
 def _ends(pieces: list[str]) -> list[int]:
@@ -103,3 +108,21 @@ def test_masked_positions_contribute_nothing_and_gradient_reaches_only_the_stude
     s2[1] += torch.randn(s.shape[-1])
     torch.testing.assert_close(cross_vocab_kd_sum(s2, t, si, ti, w), loss.detach())
     assert float(cross_vocab_kd_sum(t, t, si, si, torch.ones(5))) == pytest.approx(0.0, abs=1e-5)  # same dists
+
+
+def test_tail_past_tail_tokens_is_one_bucket():
+    """With `tail_tokens` below the tails' length, ULD compares the largest tail probabilities one by one and the
+    rest as one mass (by hand); at any length it never exceeds the full sorted L1."""
+    s, t = _logits(M=3, V=8)
+    si, ti = torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])
+    ps, pt = s.softmax(-1), t.softmax(-1)
+    m = pt[:, ti].sum(-1)
+    qs, qt = ps[:, si] / ps[:, si].sum(-1, keepdim=True), pt[:, ti] / pt[:, ti].sum(-1, keepdim=True)
+    kl = (qt * (qt.log() - qs.log())).sum(-1)
+    rs = ps[:, 3:].sort(-1, descending=True).values  # [M, 5] the student's tail, sorted
+    rt = pt[:, [0, 1, 2, 6, 7]].sort(-1, descending=True).values
+    for n in (1, 2):
+        uld = (rs[:, :n] - rt[:, :n]).abs().sum(-1) + (rs[:, n:].sum(-1) - rt[:, n:].sum(-1)).abs()
+        got = cross_vocab_div(s, t, si, ti, 0.0, tail_tokens=n)
+        torch.testing.assert_close(got, m * kl + (1 - m) * uld)
+        assert (got <= cross_vocab_div(s, t, si, ti, 0.0, tail_tokens=5) + 1e-6).all()

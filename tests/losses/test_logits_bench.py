@@ -19,18 +19,19 @@ def mod():
 
 
 def test_variants_compute_the_same_loss_gradients(mod):
-    """ce plain = ce chunked and kd unchunked = kd chunked = kd from given teacher logits: the comparison is
-    of one computation."""
+    """ce plain = ce chunked, kd unchunked = kd chunked = kd from given teacher logits and cross-vocab unchunked
+    = chunked: the comparison is of one computation."""
     grads = {}
     for v in mod.VARIANTS:
         x = mod.make_inputs(TINY, t_logits=v == "kd chunked, teacher logits")
         mod.step_fn(v, x, TINY["chunk"])()
         grads[v] = (x["hidden"].grad, x["weight"].grad)
     for a, b in (("ce plain", "ce chunked"), ("kd unchunked", "kd chunked"),
-                 ("kd chunked", "kd chunked, teacher logits")):
+                 ("kd chunked", "kd chunked, teacher logits"), ("cross-vocab unchunked", "cross-vocab chunked")):
         for ga, gb in zip(grads[a], grads[b]):
             torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(grads["ce chunked"][1], grads["kd chunked"][1])
+    for kd in ("kd chunked", "cross-vocab chunked"):
+        assert not torch.allclose(grads["ce chunked"][1], grads[kd][1])
 
 
 def test_measure_variant_sees_the_logits(mod):
@@ -51,8 +52,10 @@ def test_bench_logits_quick_run(mod, tmp_path: Path):
     assert "error" not in rec, rec.get("traceback")
     res = rec["result"]
     assert res["ratio"] == res["mem_over_ce"] > 1.0 and res["time_over_ce"] > 0
-    assert [r["case"] for r in res["results"]] == list(mod.VARIANTS)
+    chunked = [v for v in mod.VARIANTS if v not in mod.UNCHUNKED]
+    assert [r["case"] for r in res["results"]] == chunked + list(mod.VARIANTS)  # the headline's vocab, the other's
     assert res["time_floor_over_ce"] == pytest.approx(4 / 3) and 1.0 < res["mem_floor_over_ce"] < 2.0
-    assert res["mem_unchunked_over_chunked"] > 1.0
+    assert res["cross_mem_over_ce"] > 1.0 and res["mem_over_ce_4096"] > 1.0
+    assert res["mem_unchunked_over_chunked_4096"] > 1.0 and res["cross_mem_unchunked_over_chunked_4096"] > 1.0
     assert all(r["peak_mib"] > 0 and r["rss_peak_mib"] >= 0 for r in res["results"])
     assert "| logits | mem_over_ce |" in (out / "README.md").read_text()

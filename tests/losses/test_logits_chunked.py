@@ -6,9 +6,16 @@ import torch.nn.functional as F
 
 from kvdistill.commands.profile import measure
 from kvdistill.losses import chunked, logit_kd_sum, token_ce_sum
-from kvdistill.losses.chunked import AUTO_CHUNK_TOKENS, chunked_head_loss, resolve_chunk_tokens
+from kvdistill.losses.chunked import KDTeacher, chunked_head_loss, resolve_chunk_tokens
+from kvdistill.losses.cross_vocab import cross_vocab_kd_sum
 
 B, T, D, V = 2, 7, 6, 13
+
+
+def _close(got, ref):
+    """Equal to 1e-6 of the reference's largest magnitude: fp32 rounding (each of the two paths is ~2e-7 of it
+    from a float64 reference), where an elementwise rtol would fail on a gradient's near-zero entries."""
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * float(ref.detach().abs().max()))
 
 
 def _problem(seed=0, bias=True):
@@ -56,12 +63,8 @@ def test_chunked_equals_unchunked_loss_and_gradients(kind, beta, chunk):
     ref_grads = torch.autograd.grad(ref, (h, w, b))
     loss, ce_c, kd_c = _chunked(h, w, b, labels, t1, tl, kind, temp, beta, sw, chunk, ce_scale, kd_scale)
     grads = torch.autograd.grad(loss * 3.0, (h, w, b))  # an upstream gradient scales all three
-    tol = dict(atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(loss, ref, **tol)
-    torch.testing.assert_close(ce_c, ce, **tol)
-    torch.testing.assert_close(kd_c, kd, **tol)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, 3.0 * r, **tol)
+    for got, r in ((loss, ref), (ce_c, ce), (kd_c, kd), *zip(grads, (3.0 * g for g in ref_grads))):
+        _close(got, r)
 
 
 def test_masked_tokens_contribute_nothing():
@@ -109,10 +112,16 @@ def test_bf16_hidden_gets_a_bf16_gradient_close_to_fp32():
 
 
 def test_resolve_chunk_tokens():
-    assert resolve_chunk_tokens(0, 10**6, 10**6) == 0
-    assert resolve_chunk_tokens(256, 10, 10) == 256
-    assert resolve_chunk_tokens(None, 2048, 151_936) == AUTO_CHUNK_TOKENS  # Qwen2.5-0.5B head: chunked
-    assert resolve_chunk_tokens(None, 64, 1000) == 0  # tiny: one pass
+    assert resolve_chunk_tokens(0, 10**6, 10**6, 896) == 0
+    assert resolve_chunk_tokens(256, 10, 10, 8) == 256
+    assert resolve_chunk_tokens(None, 2048, 151_936, 896) == 224  # Qwen2.5-0.5B head: chunks of d / 4
+    assert resolve_chunk_tokens(None, 2048, 262_144, 640) == 160  # Gemma-3-270m's
+    assert resolve_chunk_tokens(None, 2048, 151_936, 64) == 128  # at least 128
+    assert resolve_chunk_tokens(None, 64, 1000, 64) == 0  # tiny: one pass
+    assert resolve_chunk_tokens(None, 64, 1000, 64, rows=64) == 0  # KD reads every row: the same
+    # KD reads fewer rows than B·T (an answer selection): chunked, so only those rows go through the head
+    assert resolve_chunk_tokens(None, 64, 1000, 64, rows=20) == 128
+    assert resolve_chunk_tokens(0, 64, 1000, 64, rows=20) == 0  # off stays off
 
 
 def test_per_token_ce_weights():
@@ -140,6 +149,78 @@ def test_row_blocks_equal_one_block(kind, temp, monkeypatch):
     torch.testing.assert_close(kd_c, kd, atol=1e-5, rtol=1e-5)
     for g, r in zip(torch.autograd.grad(loss, (h, w, b)), ref_grads):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+VT, K, NT = 11, 7, 17  # the cross-vocab teacher: its tokenizer's size (head padded by 2 rows), shared tokens, rows
+
+
+def _cross_problem(seed=1, given_logits=False):
+    """A same-vocab teacher's logits and a cross-vocab teacher (hidden + head, or its logits), each of its own rows
+    `[NT, ...]` paired with the student's `N` rows by an index; the cross teacher at some rows only (its shared
+    boundaries: weight 0 elsewhere, two whole row blocks of 2 rows among them)."""
+    g = torch.Generator().manual_seed(seed)
+    h, w, b, labels, _, _ = _problem(seed)
+    n = B * (T - 1)
+    t_h, t_w, t_b = torch.randn(NT, 5, generator=g), torch.randn(VT + 2, 5, generator=g), torch.randn(VT + 2, generator=g)
+    head = (F.linear(t_h, t_w, t_b), None, None) if given_logits else (t_h, t_w, t_b)
+    si, ti = torch.randperm(V, generator=g)[:K].sort().values, torch.randperm(VT, generator=g)[:K]
+    cross_w = (torch.rand(n, generator=g) > 0.3) * torch.rand(n, generator=g)  # [N]
+    cross_w[4:8] = 0
+    same_logits = torch.randn(NT, V, generator=g) * 2  # [NT, V]
+    same_rows, cross_rows = torch.randint(0, NT, (n,), generator=g), torch.randint(0, NT, (n,), generator=g)
+    return h, w, b, labels, (same_logits, same_rows), (head, cross_rows, si, ti), cross_w
+
+
+def _mixed_check(kind, temp, chunk, given_logits=False):
+    """CE + a same-vocab and a cross-vocab teacher read through row indices, chunked, against the dense losses."""
+    h, w, b, labels, (tl, same_rows), (head, rows, si, ti), cross_w = _cross_problem(given_logits=given_logits)
+    beta, ce_scale, kd_scale = 0.3, 0.7, 1.3
+    hf, targets = h[:, :-1].flatten(0, 1), labels[:, 1:].flatten()  # [N, d], [N]
+    valid = (targets != -100).float()  # [N] the same-vocab teacher reads the targets' rows, the cross one its own
+    s = F.linear(hf, w, b)  # [N, V]
+    t_cross = (head[0] if head[1] is None else F.linear(*head))[rows]  # [N, VT + 2]
+    kd = (logit_kd_sum(s[:, None].expand(-1, 2, -1), tl[same_rows][:, None].expand(-1, 2, -1),
+                       F.pad(targets[:, None], (1, 0)), kind, temp, valid, beta=beta)
+          + cross_vocab_kd_sum(s, t_cross, si, ti, cross_w, kind, temp, beta, student_vocab=V, teacher_vocab=VT))
+    ref = ce_scale * F.cross_entropy(s, targets, ignore_index=-100, reduction="sum") + kd_scale * kd
+    ref_grads = torch.autograd.grad(ref, (h, w, b))
+    teachers = [KDTeacher((tl, None, None), same_rows), KDTeacher(head, rows, si, ti, VT)]
+    loss, _, kd_c = chunked_head_loss(hf, w, b, targets, teachers, torch.stack([valid, cross_w]), ce_weights=ce_scale,
+                                      kd_scale=kd_scale, kind=kind, beta=beta, temperature=temp, vocab_size=V,
+                                      chunk_tokens=chunk)
+    for got, r in ((loss, ref), (kd_c, kd), *zip(torch.autograd.grad(loss, (h, w, b)), ref_grads)):
+        _close(got, r)
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("temp", [1.0, 2.0])
+@pytest.mark.parametrize("chunk", [0, 1, 4, 5])
+def test_cross_vocab_chunked_equals_dense(kind, temp, chunk, monkeypatch):
+    """Cross-vocab KD through `chunked_head_loss` (its rows by an index, blocks of 2 rows, some without a shared
+    boundary) = `cross_vocab_kd_sum` on the full logits, beside a same-vocab teacher and CE; gradients too."""
+    monkeypatch.setattr(chunked, "ROW_BLOCK", 2 * V)
+    _mixed_check(kind, temp, chunk)
+
+
+def test_cross_vocab_chunked_from_given_teacher_logits():
+    _mixed_check("forward_kl", 2.0, 4, given_logits=True)
+
+
+def _wrong_normalisation(z):
+    return z - z.logsumexp(0, keepdim=True)  # over the rows, not the vocabulary
+
+
+def _rows_ignored(t, sl, vocab, orig=chunked._teacher_logits):
+    return orig(KDTeacher(t.head, None, t.student_ids, t.teacher_ids, t.vocab), sl, vocab)
+
+
+@pytest.mark.parametrize("name,planted", [("log_probs", _wrong_normalisation), ("_teacher_logits", _rows_ignored)])
+def test_a_planted_bug_fails_the_comparison(name, planted, monkeypatch):
+    """The comparison above can fail: log-probabilities normalised over the wrong axis, or a teacher's row index
+    ignored (row i read for student row i), each breaks it."""
+    monkeypatch.setattr(chunked, name, planted)
+    with pytest.raises(AssertionError):
+        _mixed_check("reverse_kl", 2.0, 4)
 
 
 def test_kd_peak_memory_is_ce_peak_plus_one_chunk(monkeypatch):

@@ -68,9 +68,9 @@ def test_a_killed_capture_is_refused_then_resumed(base_args, tiny_world, tmp_pat
     shards = sorted(teacher.glob("shard-*.safetensors"))
     assert len(shards) == 3
     full = {p.name: load_file(p) for p in shards}
-    # as if killed after the first shard: manifest lists one shard, not complete
+    # as if killed after the first shard: the plan (the manifest, not complete) and one shard on disk
     manifest = json.loads((teacher / MANIFEST).read_text())
-    (teacher / MANIFEST).write_text(json.dumps({**manifest, "shards": manifest["shards"][:1], "complete": False}))
+    (teacher / MANIFEST).write_text(json.dumps({**manifest, "complete": False}))
     for p in shards[1:]:
         p.unlink()
     with pytest.raises(CaptureError, match="incomplete"):

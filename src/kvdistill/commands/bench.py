@@ -58,6 +58,9 @@ README_NAME = "README.md"
 HEADLINES = {
     "over_floor": ("≤", "time / floor, lower is better"),
     "speedup": ("≥", "baseline time / time, higher is better"),
+    # before ratio_vs_trl: a result holding both (bench_peer) is headlined by TRL's stable trainer
+    "ratio_vs_trl_distillation": ("≤", "kvdistill on-policy step time / TRL DistillationTrainer's on the same job, "
+                                  "lower is better"),
     "ratio_vs_trl": ("≤", "kvdistill step time / TRL's on the same job, lower is better"),
     "mem_over_ce": ("≤", "peak extra memory / CE alone's, lower is better"),
 }

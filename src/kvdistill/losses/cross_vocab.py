@@ -22,8 +22,9 @@ follows the same prefix. Three steps:
    distributions restricted to the shared tokens and renormalised; the second term is ULD's
    (Boizard et al. 2024) sorted-probability L1 over the tokens outside the intersection, the
    shorter side padded with zeros: it ignores which token is which and matches the shapes of the
-   tails. The mixing by `m` needs no weight to tune and makes identical (or permuted) vocabularies
-   reduce to the plain divergence exactly (m = 1). Everything is scaled by `temperature**2` as in
+   tails (here their `TAIL_TOKENS` largest and the mass past them: `cross_vocab_div`). The mixing by
+   `m` needs no weight to tune and makes identical (or permuted) vocabularies reduce to the plain
+   divergence exactly (m = 1). Everything is scaled by `temperature**2` as in
    `logit_kd_sum`.
 """
 
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvdistill.losses.logits import generalized_jsd, kind_beta
+from kvdistill.losses.logits import generalized_jsd, kind_beta, log_probs
 
 
 def shared_boundaries(student_ends: Tensor, teacher_ends: Tensor) -> tuple[Tensor, Tensor]:
@@ -83,11 +84,44 @@ def vocab_intersection(student_strings: Sequence[str | None], teacher_strings: S
     return ids[:, 0], ids[:, 1]
 
 
-def _rest(n: int, shared_ids: Tensor) -> Tensor:
-    """`[n - K]` ids of `range(n)` outside `shared_ids`."""
+TAIL_TOKENS = 256  # tail probabilities ULD compares one by one; the mass past them is one more bucket
+
+
+def rest_ids(n: int, shared_ids: Tensor) -> Tensor:
+    """`[n - K]` the ids of `range(n)` outside `shared_ids`, ascending."""
     keep = torch.ones(n, dtype=torch.bool, device=shared_ids.device)
     keep[shared_ids] = False
     return keep.nonzero()[:, 0]
+
+
+def _tail(lp: Tensor, n: int) -> Tensor:
+    """`[M, n + 1]` of the tail's log-probabilities `lp [M, R]`: its `n` largest probabilities, descending (zeros
+    past R, as ULD pads), then the mass of the rest. A selection (`topk`, linear in R), not a sort of all R: at
+    V 262,144 sorting is 15× slower than choosing 256, and the deep tail's probabilities are tiny."""
+    top = lp.topk(min(n, lp.shape[-1]), -1).values.exp()  # [M, <= n]
+    rest = lp.logsumexp(-1).exp() - top.sum(-1)  # [M]
+    return torch.cat([F.pad(top, (0, n - top.shape[-1])), rest[:, None]], -1)
+
+
+def cross_vocab_div(s: Tensor, t: Tensor, student_ids: Tensor, teacher_ids: Tensor, beta: float,
+                    tail_tokens: int = TAIL_TOKENS, rest: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """`[M]` the cross-vocabulary divergence (module docstring) at each row of tempered logits `s [M, V_s]`,
+    `t [M, V_t]` (each cut to its tokenizer's real size), `beta` as `generalized_jsd`'s; `rest`: the ids outside
+    the intersection on each side (`rest_ids`; None: computed here).
+
+    The ULD term is the sorted L1 of the `tail_tokens` largest tail probabilities of each side plus the
+    difference of the masses past them (`_tail`): the full sorted L1 where both tails are that short or the two
+    sorted tails do not cross past that rank (one side's deep tail above the other's all along), a lower
+    bound otherwise. Columns are picked by `index_select` (5× faster than indexing on a CPU)."""
+    rest_s, rest_t = rest or (rest_ids(s.shape[-1], student_ids), rest_ids(t.shape[-1], teacher_ids))
+    lse_s, lse_t = s.logsumexp(-1, keepdim=True), t.logsumexp(-1, keepdim=True)  # [M, 1]
+    ls_k, t_k = log_probs(s.index_select(-1, student_ids)), t.index_select(-1, teacher_ids)  # [M, K]
+    lse_tk = t_k.logsumexp(-1, keepdim=True)  # [M, 1]
+    mass = (lse_tk - lse_t)[:, 0].exp().detach()  # [M] the teacher's mass on the shared tokens
+    shared = generalized_jsd(ls_k, t_k - lse_tk, beta)  # [M] on the intersection, renormalised
+    tail_s = _tail(s.index_select(-1, rest_s) - lse_s, tail_tokens)  # [M, tail_tokens + 1]
+    tail_t = _tail(t.index_select(-1, rest_t) - lse_t, tail_tokens)
+    return mass * shared + (1 - mass) * (tail_s - tail_t).abs().sum(-1)
 
 
 def cross_vocab_kd_sum(
@@ -95,7 +129,7 @@ def cross_vocab_kd_sum(
     kind: str = "forward_kl", temperature: float = 1.0, beta: float = 0.5,
     student_vocab: int | None = None, teacher_vocab: int | None = None,
 ) -> Tensor:
-    """Weighted sum over aligned positions of the cross-vocabulary divergence (module docstring).
+    """Weighted sum over aligned positions of the cross-vocabulary divergence (`cross_vocab_div`).
 
     Args:
         student: `[M, V_s]` student logits at the shared boundaries.
@@ -107,19 +141,9 @@ def cross_vocab_kd_sum(
             embedding and are dropped (None: all columns).
 
     Returns:
-        Scalar fp32 sum.
+        Scalar fp32 sum. `losses.chunked_head_loss` computes the same from hidden states, a chunk at a time.
     """
-    b = kind_beta(kind, beta)
     T = temperature
     s = student[:, :student_vocab].float() / T  # [M, V_s]
     t = teacher[:, :teacher_vocab].float() / T  # [M, V_t]
-    ls, lt = F.log_softmax(s, -1), F.log_softmax(t, -1)
-    ls_k, lt_k = F.log_softmax(s[:, student_ids], -1), F.log_softmax(t[:, teacher_ids], -1)  # [M, K] renormalised
-    mass = lt[:, teacher_ids].logsumexp(-1).exp().detach()  # [M] teacher mass on the shared tokens
-    shared = generalized_jsd(ls_k, lt_k, b)  # [M]
-    rest_s, rest_t = _rest(s.shape[-1], student_ids), _rest(t.shape[-1], teacher_ids)
-    ps = ls[:, rest_s].exp().sort(-1, descending=True).values  # [M, V_s - K]
-    pt = lt[:, rest_t].exp().sort(-1, descending=True).values  # [M, V_t - K]
-    n = max(ps.shape[-1], pt.shape[-1])
-    uld = (F.pad(ps, (0, n - ps.shape[-1])) - F.pad(pt, (0, n - pt.shape[-1]))).abs().sum(-1)  # [M]
-    return ((mass * shared + (1 - mass) * uld) * weight).sum() * T**2
+    return (cross_vocab_div(s, t, student_ids, teacher_ids, kind_beta(kind, beta)) * weight).sum() * T**2

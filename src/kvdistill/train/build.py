@@ -29,7 +29,7 @@ from kvdistill.align.aligner import KVAligner, cache_dims
 from kvdistill.align.layer_map import build_layer_map
 from kvdistill.cache import SEGMENT_NAMES, extract_kv, query_modules
 from kvdistill.capture import (
-    load_capture,
+    CaptureReader,
     mapped_layers,
     tokenizer_hash,
     update_token_hash,
@@ -400,20 +400,22 @@ def head_hidden(cfg: KVDistillConfig, teacher: Teacher) -> bool:
     """A same-vocab teacher gives its final hidden states `[B, T, d]` and head instead of its logits when the
     run's head losses are chunked (`resolve_chunk_tokens` of a full micro-batch, transfer records included, > 0),
     so no `[B, T, V]` tensor is made (a smaller batch the model does not chunk gets the logits through the head: `model.full_logits`).
-    A head that is not one `[V, d]` matrix (ZeRO-3 partitions it) keeps the logits."""
+    The rows a batch's KD reads are not known here: a batch the model chunks for them alone reads the teacher's
+    logits at those rows. A head that is not one `[V, d]` matrix (ZeRO-3 partitions it) keeps the logits."""
     weight = getattr(teacher.model.get_output_embeddings(), "weight", None)
     if cfg.logit_kd_weight == 0 or teacher.logit_kd != "same_vocab" or weight is None or weight.dim() != 2:
         return False
     tokens = (cfg.per_device_train_batch_size + (cfg.transfer_batch_size if cfg.transfer_data else 0)) * cfg.max_length
-    return resolve_chunk_tokens(cfg.logit_chunk_tokens, tokens, weight.shape[0]) > 0
+    return resolve_chunk_tokens(cfg.logit_chunk_tokens, tokens, *weight.shape) > 0
 
 
-def teacher_batches(run: RunInputs, batch_size: int):
-    """Every record (labelled, then transfer) in order, collated without transfer draws."""
+def teacher_batches(run: RunInputs, batch_size: int, start: int = 0, stop: int | None = None):
+    """The records `[start, stop)` (default: every one, labelled then transfer) in order, in batches from
+    `start`, collated without transfer draws."""
     plain = replace(run.collator, transfer=())
-    every = [*run.records, *run.transfer]
-    for start in range(0, len(every), batch_size):
-        yield plain(every[start : start + batch_size])
+    every = [*run.records, *run.transfer][start:stop]
+    for a in range(0, len(every), batch_size):
+        yield plain(every[a : a + batch_size])
 
 
 def capture_settings(cfg: KVDistillConfig, run: RunInputs) -> dict[str, dict]:
@@ -617,8 +619,9 @@ def trainer_inputs(cfg: KVDistillConfig, run: RunInputs, accuracy_records: list[
     if cfg.teacher_capture and teachers:
         settings = capture_settings(cfg, run)
         for t, spec in zip(teachers, specs):
-            n = load_capture(Path(cfg.teacher_capture) / t.name, settings[t.name], teacher_set.cache, cache_key(cfg, t))
-            logger.info("teacher %s: %d records read from the capture in %s", t.name, n, cfg.teacher_capture)
+            captured = CaptureReader(Path(cfg.teacher_capture) / t.name, settings[t.name])
+            teacher_set.cache.read_from(cache_key(cfg, t), captured)
+            logger.info("teacher %s: %d records in the capture %s", t.name, len(captured), cfg.teacher_capture)
             if t.head_hidden:
                 t.head = captured_head(cfg, spec, tokenizer)
 

@@ -281,10 +281,12 @@ class KVDistillConfig(TrainingArguments):
                                 "| field:<name>): the distribution at each selected row, the row a KV loss with the "
                                 "same selection reads. N_kd counts them.", affects="student_loss", group="signals",
                                 card="signals")
-    logit_chunk_tokens: int | None = option(None, "CE and same-vocab logit KD from the student's final hidden "
-                                            "states, this many tokens at a time (never the B×T×V logits; "
-                                            "losses/chunked.py); 0: off (the model's logits); unset: 1,024-token "
-                                            "chunks when tokens × vocab > 2^26, else off.",
+    logit_chunk_tokens: int | None = option(None, "CE and logit KD (same and cross vocabulary) from the student's "
+                                            "final hidden states at the rows they read, this many tokens at a "
+                                            "time (never the B×T×V logits; losses/chunked.py); 0: off (the "
+                                            "model's logits); unset: chunks of hidden size / 4 tokens (at least "
+                                            "128) when tokens × vocab > 2^26 or logit KD reads fewer rows than "
+                                            "B×T, else off.",
                                             affects="student_loss", group="signals", valid=">= 0")
     transfer_lm_weight: float = option(0.0, "Weight of the student's LM loss on transfer records (sequence-level KD: "
                                        "learn the text a teacher wrote, e.g. by `kvdistill generate`); 0: transfer "

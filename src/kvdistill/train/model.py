@@ -32,7 +32,7 @@ from kvdistill.losses import (
     token_ce_sum,
 )
 from kvdistill.losses.attention import aligned_attention_loss
-from kvdistill.losses.chunked import TeacherHead
+from kvdistill.losses.chunked import KDTeacher, TeacherHead
 from kvdistill.losses.relation import RowKLLoss, select_rows
 
 
@@ -46,7 +46,7 @@ class LossWeights:
     logit_kd_kind: str = "forward_kl"
     temperature: float = 1.0
     transfer_lm: float = 0.0  # LM loss on transfer records (sequence-level KD)
-    chunk_tokens: int | None = 0  # CE + same-vocab KD from hidden states in chunks (`resolve_chunk_tokens`); 0: off
+    chunk_tokens: int | None = 0  # CE + logit KD from hidden states in chunks (`resolve_chunk_tokens`); 0: off
     beta: float = 0.5  # generalized JSD beta of logit_kd_kind jsd
 
 
@@ -86,7 +86,8 @@ class KVDistillModel(nn.Module):
     ):
         super().__init__()
         self.student = student
-        self.aligners = nn.ModuleDict(aligners)
+        self.teacher_names = list(aligners)  # the fused teachers, in the fusion's order
+        self.aligners = _by_module_key(aligners)
         self.fusion = fusion
         self.kv_loss = kv_loss
         self.weights = weights
@@ -98,7 +99,7 @@ class KVDistillModel(nn.Module):
         self.logit_kd_rows = logit_kd_rows  # the positions whose distributions logit KD compares (`losses.kd_targets`)
         self.queries = getattr(kv_loss, "name", None) == "attention"  # the attention loss reads queries
         # CODI: teacher hidden (d_t) -> student hidden (d_s) at the answer marker
-        self.codi = nn.ModuleDict({n: nn.Linear(dt, ds) for n, (dt, ds) in (codi_dims or {}).items()})
+        self.codi = _by_module_key({n: nn.Linear(dt, ds) for n, (dt, ds) in (codi_dims or {}).items()})
 
     @property
     def config(self):  # Trainer and accelerate read model.config
@@ -152,7 +153,13 @@ class KVDistillModel(nn.Module):
     ) -> dict:
         w = self.weights
         need_kv = kv_scale > 0 and len(self.aligners) > 0
-        chunk = self._chunk_tokens(labels)  # > 0: no [B, T, V] logits; the losses read the final hidden states
+        teacher_logits = (teacher_logits or {}) if w.logit_kd > 0 else {}  # the teachers whose logits teach
+        # transfer records (labelled False) have targets for logit KD but no LM loss
+        ce_labels = labels if labelled is None else labels.masked_fill(~labelled[:, None], -100)  # [B, T]
+        kd_labels = self.kd_targets(input_ids, labels, attention_mask, segment_ids, token_fields)  # [B, T]
+        n_ce_local, n_kd_local, n_tr_local = target_counts(labels, labelled, kd_labels)
+        # > 0: no [B, T, V] logits; the losses read the final hidden states at the rows they read
+        chunk = self._chunk_tokens(labels, int(n_kd_local) if teacher_logits else None)
         head_out = {"logits_to_keep": 1, "output_hidden_states": True} if chunk else {"output_hidden_states": w.codi > 0}
         if need_kv:
             out, skv = forward_with_kv(
@@ -164,26 +171,21 @@ class KVDistillModel(nn.Module):
         else:  # no KV term, no cache: this path also works under activation checkpointing (which drops it)
             out = self.student(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **head_out)
             hidden = torch.stack(out.hidden_states) if w.codi > 0 else None  # [L+1, B, T, d]
-        # transfer records (labelled False) have targets for logit KD but no LM loss
-        ce_labels = labels if labelled is None else labels.masked_fill(~labelled[:, None], -100)  # [B, T]
-        kd_labels = self.kd_targets(input_ids, labels, attention_mask, segment_ids, token_fields)  # [B, T]
-        n_ce_local, n_kd_local, n_tr_local = target_counts(labels, labelled, kd_labels)
         n_ce = num_ce_tokens if num_ce_tokens is not None else n_ce_local.clamp(min=1)
         tr_labels = labels if labelled is None else labels.masked_fill(labelled[:, None], -100)  # transfer targets
         n_tr = num_transfer_tokens if num_transfer_tokens is not None else n_tr_local.clamp(min=1)
         n_kd_local = n_kd_local.clamp(min=1)
         n_kd = num_kd_tokens if num_kd_tokens is not None else n_kd_local
         sample_w = self.fusion.sample_weights(index)  # [B, N]
-        names = list(self.aligners)
-        teacher_logits = teacher_logits or {}
-        same = {n: t for n, t in teacher_logits.items() if self._logit_mode(n) == "same_vocab"}
-        final = out.hidden_states[-1] if chunk else None  # [B, T, d] after the last norm: what the head reads
-        if chunk:  # CE, transfer LM and same-vocab KD in one pass over chunks of the head
+        names = self.teacher_names
+        pairs = self._cross_pairs(kd_labels, char_ends, teacher_char_ends or {}, teacher_logits)
+        if chunk:  # CE, transfer LM and logit KD in one pass over chunks of the head
             lab = torch.ones_like(index, dtype=torch.bool) if labelled is None else labelled  # [B]
             ce_w = torch.where(lab, w.ce / n_ce, w.transfer_lm / n_tr)[:, None]  # [B, 1] per record
             lm_labels = labels if w.transfer_lm > 0 else ce_labels
-            loss, ce_sum, kd_same = self._chunked_head(final, kd_labels, lm_labels, ce_w, same, sample_w, names, n_kd,
-                                                       chunk)
+            final = out.hidden_states[-1]  # [B, T, d] after the last norm: what the head reads
+            loss, ce_sum, kd = self._chunked_head(final, lm_labels, kd_labels, ce_w, teacher_logits, pairs, sample_w,
+                                                  names, n_kd, chunk)
         elif w.ce > 0:
             ce_sum = token_ce_sum(out.logits, ce_labels)
             loss = w.ce * ce_sum / n_ce
@@ -207,17 +209,17 @@ class KVDistillModel(nn.Module):
             codi = self._codi(names, teacher_kvs, hidden, segment_ids, sample_w)  # sum over samples
             loss = loss + w.codi * codi / (num_sequences if num_sequences is not None else input_ids.shape[0])
             metrics["codi"] = (codi / input_ids.shape[0]).detach()
-        if w.logit_kd > 0 and teacher_logits:
-            kd = 0 if chunk else sum(  # chunked: the same-vocab KD is in the loss already
-                logit_kd_sum(out.logits, full_logits(t), kd_labels, w.logit_kd_kind, w.temperature,
-                             logit_weights(n, sample_w, names), beta=w.beta, vocab_size=self.vocab_size)
-                for n, t in same.items()
-            )
-            kd = kd + self._cross_vocab_kd(out.logits if final is None else final, final is not None, kd_labels,
-                                           char_ends, teacher_char_ends or {}, teacher_logits, sample_w, names,
-                                           metrics)
-            loss = loss + w.logit_kd * kd / n_kd
-            metrics["logit_kd"] = ((kd + (kd_same if chunk else 0)) / n_kd_local).detach()
+        if teacher_logits:
+            if not chunk:  # chunked: the KD is in the loss already
+                kd = sum(
+                    logit_kd_sum(out.logits, full_logits(t), kd_labels, w.logit_kd_kind, w.temperature,
+                                 logit_weights(n, sample_w, names), beta=w.beta, vocab_size=self.vocab_size)
+                    for n, t in teacher_logits.items() if n not in pairs
+                ) + self._cross_vocab_kd(out.logits, pairs, teacher_logits, sample_w, names)
+                loss = loss + w.logit_kd * kd / n_kd
+            metrics["logit_kd"] = (kd / n_kd_local).detach()
+            for n, (_, _, shared) in pairs.items():
+                metrics[f"logit_kd_shared/{n}"] = shared
         for i, n in enumerate(names):
             metrics[f"fusion_w/{n}"] = sample_w[:, i].mean().detach()
         return {"loss": loss, "metrics": metrics}
@@ -243,7 +245,7 @@ class KVDistillModel(nn.Module):
             if (layer := _first_nonfinite(getattr(skv, part))) is not None:
                 return f"the student: its cache's {part} at layer {layer}"
         for n in teacher_kvs:
-            if n not in self.aligners:
+            if n not in self.teacher_names:
                 continue
             a = self._align(n, teacher_kvs[n], skv)
             for part in ("teacher_keys", "teacher_values", "teacher_queries"):
@@ -260,7 +262,7 @@ class KVDistillModel(nn.Module):
 
     def _align(self, name: str, tkv: KVCache, skv: KVCache):
         """One teacher aligned to the student: K/V (`AlignedKV`), or queries and keys (`AlignedQK`, attention)."""
-        aligner = self.aligners[name]
+        aligner = self.aligners[module_key(name)]
         return aligner.attention_inputs(tkv, skv) if self.queries else aligner(tkv, skv)
 
     def _pair_loss(self, aligned, rows: Tensor | None) -> tuple[Tensor, dict]:
@@ -294,61 +296,83 @@ class KVDistillModel(nn.Module):
             self._log_teacher(metrics, n, m)
         return total
 
-    def _logit_mode(self, name: str) -> str:
-        lt = self.logit_teachers.get(name)
-        return "same_vocab" if lt is None else lt.mode
-
-    def _chunk_tokens(self, labels: Tensor) -> int:
-        """Tokens per chunk of the head's losses (`resolve_chunk_tokens` of the option), 0: the model's logits.
-        A head whose weight is not one `[V, d]` matrix (FSDP flattens its shards) keeps the model's logits."""
+    def _chunk_tokens(self, labels: Tensor, kd_rows: int | None) -> int:
+        """Tokens per chunk of the head's losses (`resolve_chunk_tokens` of the option and the `kd_rows` logit KD
+        reads, None: no logit KD), 0: the model's logits. A head whose weight is not one `[V, d]` matrix (FSDP
+        flattens its shards) keeps the model's logits."""
         weight = getattr(self.student.get_output_embeddings(), "weight", None)
         if self.weights.chunk_tokens == 0 or weight is None or weight.dim() != 2:
             return 0
-        return resolve_chunk_tokens(self.weights.chunk_tokens, labels.numel(), weight.shape[0])
+        return resolve_chunk_tokens(self.weights.chunk_tokens, labels.numel(), *weight.shape, rows=kd_rows)
 
-    def _chunked_head(self, final, kd_labels, lm_labels, ce_w, same, sample_w, names, n_kd, chunk
-                      ) -> tuple[Tensor, Tensor, Tensor]:
-        """`chunked_head_loss` over all B×T positions (t predicts the target at t + 1, the last one nothing), so
-        no `[B, T, V]` tensor is copied: `(loss, CE sum, same-vocab KD sum)`. CE on `lm_labels`' targets, weighted
-        per record by `ce_w [B, 1]`; KD on every target of `kd_labels`, from each teacher's logits `[B, T, V]` or
-        its final hidden states and head (`TeacherHead`: its logits too are made a chunk at a time)."""
-        w = self.weights
-        shift = lambda x: F.pad(x[:, 1:], (0, 1), value=-100)  # noqa: E731  [B, T]: the target each position predicts
-        valid = (shift(kd_labels) != -100).float()  # [B, T]
-        kd_w = (torch.stack([valid * logit_weights(n, sample_w, names)[:, None] for n in same]).flatten(1)
-                if same else None)  # [N_same, B·T]
-        head = self.student.get_output_embeddings()
-        return chunked_head_loss(
-            final.flatten(0, 1), head.weight, head.bias, shift(lm_labels).flatten(),
-            [_flat_head(t) for t in same.values()], kd_w,
-            ce_weights=ce_w.expand_as(valid).flatten(), kd_scale=w.logit_kd / n_kd, kind=w.logit_kd_kind, beta=w.beta,
-            temperature=w.temperature, vocab_size=self.vocab_size, chunk_tokens=chunk,
-        )
-
-    def _cross_vocab_kd(self, student, hidden, kd_labels, char_ends, teacher_char_ends, teacher_logits, sample_w,
-                        names, metrics) -> Tensor | int:
-        """Sum over cross-vocab teachers of `cross_vocab_kd_sum` at the positions with a target in `kd_labels` where
-        both tokenizations end a token at the same character. `student`: logits `[B, T, V]`, or (`hidden`) the final
-        hidden states `[B, T, d]` (chunked path: only those positions' logits are made)."""
-        w, total = self.weights, 0
+    def _cross_pairs(self, kd_labels: Tensor, char_ends: Tensor | None, teacher_char_ends: dict[str, Tensor],
+                     teacher_logits: dict) -> dict[str, tuple[Tensor, Tensor, float]]:
+        """Per cross-vocab teacher `(teacher_pos [B, T_s], at [B, T_s] bool, shared)`: the teacher position each
+        student position reads, the positions it is distilled at (a target in `kd_labels` and both tokenizations
+        ending a token at the same character) and their share of the KD targets."""
         has_target = F.pad(kd_labels[:, 1:] != -100, (0, 1), value=False)  # [B, T]
-        for n, t_logits in teacher_logits.items():
+        pairs = {}
+        for n in teacher_logits:
             lt = self.logit_teachers.get(n)
             if lt is None or lt.mode != "cross_vocab":
                 continue
             if char_ends is None:
                 raise ValueError("cross-vocab logit KD needs the batch's char_ends (kvdistill.data.tokenize_example)")
             t_pos, shared = shared_boundaries(char_ends, teacher_char_ends.get(n, char_ends))  # [B, T_s]
-            b, i = (shared & has_target).nonzero(as_tuple=True)  # [M]
-            rows = student[b, i]  # [M, V_s] logits, or [M, d] hidden states through the head
-            rows = self.student.get_output_embeddings()(rows) if hidden else rows
+            at = shared & has_target
+            pairs[n] = (t_pos, at, float(at.sum()) / max(float(has_target.sum()), 1.0))
+        return pairs
+
+    def _chunked_head(self, final, lm_labels, kd_labels, ce_w, teacher_logits, pairs, sample_w, names, n_kd, chunk
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+        """`chunked_head_loss` at the positions a loss reads (position t predicts the target at t + 1), the others
+        never through the head: `(loss, CE sum, KD sum)`. CE on `lm_labels`' targets, weighted per record by
+        `ce_w [B, 1]`; KD on every target of `kd_labels` (a cross-vocab teacher's at its shared boundaries,
+        `pairs`), from each teacher's logits `[B, T, V]` or its final hidden states and head (`TeacherHead`: its
+        logits too are made a chunk at a time), its rows read in place through an index: no `[B, T, V]` copy."""
+        w = self.weights
+        B, T = lm_labels.shape
+        shift = lambda x: F.pad(x[:, 1:], (0, 1), value=-100).flatten()  # noqa: E731  [B·T] the target each predicts
+        targets, kd_at = shift(lm_labels), shift(kd_labels) != -100  # [B·T]
+        teachers, kd_w = [], []
+        for n, t in teacher_logits.items():
+            at = kd_at if n not in pairs else pairs[n][1].flatten()  # [B·T]
+            kd_w.append(at * logit_weights(n, sample_w, names).repeat_interleave(T))  # [B·T]
+            if n not in pairs:
+                teachers.append(KDTeacher(_flat_head(t)))
+                continue
+            lt, t_pos = self.logit_teachers[n], pairs[n][0]  # [B, T] the teacher's position, in its own time
+            t_len = (t if torch.is_tensor(t) else t[0]).shape[1]
+            rows = (t_pos + torch.arange(B, device=t_pos.device)[:, None] * t_len).flatten()  # [B·T] its flat rows
+            dev = t_pos.device
+            teachers.append(KDTeacher(_flat_head(t), rows, lt.student_ids.to(dev), lt.teacher_ids.to(dev), lt.vocab))
+        kd_w = torch.stack(kd_w) if kd_w else None  # [K, B·T]
+        read = targets != -100 if kd_w is None else (targets != -100) | (kd_w > 0).any(0)  # [B·T]
+        idx = read.nonzero()[:, 0]  # [M] the rows a loss reads
+        for t in teachers:
+            t.rows = idx if t.rows is None else t.rows[idx]
+        head = self.student.get_output_embeddings()
+        return chunked_head_loss(
+            final.flatten(0, 1)[idx], head.weight, head.bias, targets[idx], teachers,
+            None if kd_w is None else kd_w[:, idx], ce_weights=ce_w.expand(B, T).flatten()[idx],
+            kd_scale=w.logit_kd / n_kd, kind=w.logit_kd_kind, beta=w.beta, temperature=w.temperature,
+            vocab_size=self.vocab_size, chunk_tokens=chunk,
+        )
+
+    def _cross_vocab_kd(self, student, pairs, teacher_logits, sample_w, names) -> Tensor | int:
+        """Sum over cross-vocab teachers of `cross_vocab_kd_sum` on the student's logits `[B, T, V]` at the
+        positions `pairs` (`_cross_pairs`) distils."""
+        w, total = self.weights, 0
+        for n, (t_pos, at, _) in pairs.items():
+            lt = self.logit_teachers[n]
+            b, i = at.nonzero(as_tuple=True)  # [M]
+            t_logits = full_logits(teacher_logits[n])
             dev = t_logits.device
             total = total + cross_vocab_kd_sum(
-                rows, t_logits[b, t_pos[b, i]], lt.student_ids.to(dev), lt.teacher_ids.to(dev),
+                student[b, i], t_logits[b, t_pos[b, i]], lt.student_ids.to(dev), lt.teacher_ids.to(dev),
                 logit_weights(n, sample_w, names)[b], w.logit_kd_kind, w.temperature, beta=w.beta,
                 student_vocab=self.vocab_size, teacher_vocab=lt.vocab,
             )
-            metrics[f"logit_kd_shared/{n}"] = float(b.numel()) / max(float(has_target.sum()), 1.0)
         return total
 
     @staticmethod
@@ -373,9 +397,25 @@ class KVDistillModel(nn.Module):
         for i, n in enumerate(names):
             tkv = teacher_kvs[n]
             pos_t, has_t = answer_position(tkv.segment_ids)
-            h_t = self.codi[n](tkv.hidden_states[-1][b, pos_t].float())  # [B, d_s]
+            h_t = self.codi[module_key(n)](tkv.hidden_states[-1][b, pos_t].float())  # [B, d_s]
             total = total + codi_sum(h_s, h_t, (has_s & has_t).float() * sample_w[:, i])
         return total
+
+
+def module_key(name: str) -> str:
+    """A teacher's key among the model's submodules (`aligners`, `codi`): its name with each '.' as '_'. torch
+    reads a '.' in a module name as a path (the state dict's separator) and refuses it, and a teacher is named
+    after its directory by default (`Qwen2.5-0.5B`); the teacher keeps its name everywhere else."""
+    return name.replace(".", "_")
+
+
+def _by_module_key(modules: dict[str, nn.Module]) -> nn.ModuleDict:
+    """`modules` (by teacher name) as a `ModuleDict` keyed by `module_key`."""
+    keys = [module_key(n) for n in modules]
+    if len(set(keys)) < len(keys):
+        raise ValueError(f"teacher names {list(modules)} give the same module keys {keys} ('.' is read as '_'); "
+                         "give one of them another `name:`")
+    return nn.ModuleDict(dict(zip(keys, modules.values())))
 
 
 def target_counts(labels: Tensor, labelled: Tensor | None, kd_labels: Tensor | None = None) -> Tensor:
