@@ -199,3 +199,35 @@ def test_fused_path_equals_plain_stages_and_primitives(kwargs, soft_map):
     ref = flatten_heads(x)  # [L_m, B, T_s, H*D]
     ref = proj(ref) if proj.groups == 1 else torch.einsum("lbtf,lof->lbto", ref, proj.weight) + proj.bias[:, None, None]
     torch.testing.assert_close(fused[1][-1], ref)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("soft_map", [False, True])
+def test_fused_path_projects_a_smaller_teacher_first(heads, soft_map, monkeypatch):
+    """A teacher whose mapped layers hold fewer tokens than the aligned rows (Gemma-3-270m's 18 layers for
+    SmolLM2's 30): the fused path projects the teacher rows, then gathers the projection (the chunked
+    gather-then-project never runs), with the plain stages' loss and every gradient."""
+    import kvdistill.align.projectors as projectors
+
+    teacher, student = _cache(2, heads, 7, 8, pad=2), _cache(4, 3, 9, 4, grad=True, pad=1)  # 2*7 < 4*9 rows
+    M = torch.tensor([[1.0, 0.0], [0.7, 0.3], [0.2, 0.8], [0.0, 1.0]]) if soft_map else None
+    aligner = KVAligner(mode="flat", projector="linear", layer_map=M)
+    aligner.setup(teacher, student)
+    with torch.no_grad():
+        for p in aligner.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    loss_fn = build_kv_loss("mercator", beta=0.01)
+    params = [*aligner.parameters(), student.keys, student.values]
+
+    def loss_and_grads(fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        aligner.fused = fused
+        out = aligner(teacher, student)
+        loss, _ = aligned_kv_loss(loss_fn, out)
+        return loss, [*torch.autograd.grad(loss, params), out.teacher_keys, out.teacher_values]
+
+    plain = loss_and_grads(False)
+    monkeypatch.setattr(projectors._BagLinear, "apply", None)  # calling it would fail: the path is project-first
+    fused = loss_and_grads(True)
+    torch.testing.assert_close(fused[0], plain[0])
+    for a, b in zip(fused[1], plain[1]):
+        torch.testing.assert_close(a, b)

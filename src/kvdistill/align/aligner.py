@@ -364,21 +364,31 @@ class KVAligner(nn.Module):
         With `fused` (the default), a flat linear projector runs inside the time + layer gather
         (`bag_linear`): the aligned teacher `[L_m, B, T_s, H_t*D_t]`, the largest tensor of the
         step, is built and projected one chunk at a time and never stored (nor upcast whole from
-        a bf16 cache). Otherwise, and for the other projectors, the stages run one after another.
+        a bf16 cache). When the teacher layers the map reads hold fewer tokens than the aligned
+        teacher (`L_u * T_t < L_m * T_s`, e.g. Gemma-3-270m's 18 layers for SmolLM2's 30) and one
+        projector serves every layer, those rows are projected first and the narrower result
+        gathered: the gather is linear, so the result is the same with fewer matmul rows.
+        Otherwise, and for the other projectors, the stages run one after another.
         """
-        out = []
-        bags = None
+        out, bags = [], None
         for x, which in ((teacher.keys, "key"), (teacher.values, "value")):
             proj = self.k_proj if which == "key" else self.v_proj
             if not (self.fused and self.mode == "flat" and isinstance(proj, LinearProjector)):
                 out.append(self.head_dim(self.teacher_time_layer(x, idx), which))
                 continue
             x = x.detach().to(self.layer_map.device)
+            L_t, B, H, T_t, _ = x.shape
+            used, src = self._src_layers.unique(return_inverse=True)  # [L_u], [L_m, k] indices into used
+            first = proj.proj.groups == 1 and len(used) * T_t < len(self.layer_index) * idx.lo.shape[1]
+            if first:  # a time-major table of the used layers, heads concatenated: [L_u*B*T_t, H*D]
+                x = time_major(x if len(used) == L_t else x.index_select(0, used)).reshape(-1, H * x.shape[-1])
             if bags is None:  # keys and values read the same rows
-                bags = kv_bags(x.shape, idx.to(x.device), self._src_layers, self._src_weights)
-            L_m, B, T_s, H, K = bags[0].shape
+                bags = (kv_bags((len(used), B, 1, T_t, 0), idx.to(x.device), src, self._src_weights) if first else
+                        kv_bags(x.shape, idx.to(x.device), self._src_layers, self._src_weights))
+            L_m, B, T_s, H, K = bags[0].shape  # H is 1 when the table rows hold every head
             rows, weights = (b.view(L_m, B * T_s, H, K) for b in bags)
-            y = bag_linear(x.reshape(-1, x.shape[-1]), rows, weights, proj.proj)  # [L_m, B*T_s, F_s]
+            table = x if first else x.reshape(-1, x.shape[-1])
+            y = bag_linear(table, rows, weights, proj.proj)  # [L_m, B*T_s, F_s]
             out.append(y.view(L_m, B, T_s, -1))
         return out[0], out[1]
 

@@ -85,7 +85,16 @@ class GroupedLinear(nn.Module):
         the row table and the input the bags' weighted gathers. Bags run through this module call too:
         DeepSpeed ZeRO-3 gathers a module's weights in the hooks of its call, for forward and backward."""
         if bags is not None:
-            return _BagLinear.apply(x, *bags, self.weight, self.bias)
+            rows, weights = bags  # [G, N, H, K]
+            G, N, H, K = rows.shape
+            if H == 1 and self.groups == 1 and x.shape[0] < G * N:
+                # fewer table rows than gathered rows (a teacher with fewer layers x tokens than the student's):
+                # project them first, W(sum_j w_j x_j) + b = sum_j w_j (W x_j) + b, then gather the narrower result
+                p = F.linear(x.to(self.weight.dtype), self.weight)  # [V, d_out]
+                y = F.embedding_bag(rows.reshape(-1, K), p, per_sample_weights=weights.reshape(-1, K).to(p.dtype),
+                                    mode="sum").view(G, N, self.d_out)
+                return y if self.bias is None else y + self.bias
+            return _BagLinear.apply(x, rows, weights, self.weight, self.bias)
         if x.shape[-1] != self.d_in:
             raise ValueError(f"projector expects last dim {self.d_in}, got input {tuple(x.shape)}")
         if self.groups == 1:
@@ -175,10 +184,13 @@ def bag_linear(table: Tensor, rows: Tensor, weights: Tensor, linear: GroupedLine
     The time + layer alignment of a teacher cache (`kv_bags`) followed by a linear projector: the
     aligned teacher `[L, B, T, H*D]` is the largest tensor of the step, so it is built and
     projected one cache-sized chunk at a time (in `table`'s dtype, cast per chunk), and gathered
-    again for the weight gradient. Same result as `linear(embedding_bag(...).view(...))`.
+    again for the weight gradient. Same result as `linear(embedding_bag(...).view(...))`. With one
+    weight set, bags of one row each (`H == 1`) and fewer table rows than gathered rows, the table is
+    projected first and the projection gathered (the same sums, on fewer matmul rows).
 
     Args:
-        table: `[V, D]` source rows (a KV stack viewed `[L*B*H*T, D]`); receives no gradient.
+        table: `[V, D]` source rows (a KV stack viewed `[L*B*H*T, D]`, or time-major `[L*B*T, H*D]` with
+            `H == 1` bags); receives no gradient.
         rows, weights: `[G, N, H, K]` bags: token `n` of group `g` concatenates `H` weighted sums
             of `K` rows each (its features `H*D` = `linear.d_in`).
         linear: the projector; with `groups > 1`, `G == groups` and group `g` uses weight set `g`.
