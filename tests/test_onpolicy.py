@@ -113,6 +113,32 @@ def test_a_canonical_completion_tokenizes_as_the_gold_text(tiny_world, tok_name)
         assert torch.equal(gold[key], mine[key]), key
 
 
+def test_the_student_reads_the_ids_it_sampled_not_its_text_retokenized(tiny_world):
+    """A sample that splits its text one character per token (not the tokenizer's split), with a character
+    sampled as two byte tokens: the student's row is its prompt's tokens then exactly those ids; each token
+    ends at its own character, the first byte of "é" at none (it adds no character), yet it is a target."""
+    tok = load_tokenizer(tiny_world.tokenizers["bpe"])
+    text = " 12 + 5 = 17 é\n#### 17"
+    per_char = [i for ch in text.replace("é", "") for i in tok.encode(ch, add_special_tokens=False)]
+    at = text.index("é")
+    ids = per_char[:at] + tok.convert_tokens_to_ids(["Ã", "©"]) + per_char[at:] + [tok.eos_token_id]
+    assert tok.decode(ids, skip_special_tokens=True) == text and len(per_char) > len(tok.encode(text, add_special_tokens=False))
+    rec = {"question": QUESTION, "answer": text, "finished": True, "ids": ids}
+    enc = tokenize_completion(tok, rec, sampled=True)
+    prompt = format_prompt(QUESTION)
+    n_prompt = len(tok(prompt)["input_ids"])
+    assert enc["input_ids"][n_prompt:].tolist() == ids and len(enc["input_ids"]) == n_prompt + len(ids)
+    ends = enc["char_ends"][n_prompt:].tolist()
+    chars = list(range(len(prompt), len(prompt) + len(text)))
+    assert ends == [*chars[:at], -1, chars[at], *chars[at + 1:], -1]  # the first byte and EOS: no character
+    seg = enc["segment_ids"][n_prompt:].tolist()
+    answer = text.index("\n####")
+    assert seg == [REASONING] * (answer + 1) + [ANSWER] * (len(text) - answer) + [ANSWER]  # "é" is 2 tokens; EOS
+    assert (enc["labels"][n_prompt:] == enc["input_ids"][n_prompt:]).all()  # every sampled token is a target
+    retok = tokenize_completion(tok, rec)  # a reader with the text alone tokenizes it its own way
+    assert len(retok["input_ids"]) < len(enc["input_ids"])
+
+
 def test_completion_without_marker_is_one_reasoning_segment(tiny_world):
     tok = load_tokenizer(tiny_world.tokenizers["bpe"])
     enc = tokenize_completion(tok, {"question": QUESTION, "answer": " 12 + 5 is 17", "finished": True})

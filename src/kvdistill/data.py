@@ -455,13 +455,17 @@ def token_segments(tokenizer: Any, f: Formatted, chat: bool) -> tuple[list[int],
     chat template's end-of-turn, when the tokenizer gives it no characters)."""
     enc = tokenizer(f.text, return_offsets_mapping=True, add_special_tokens=not chat, truncation=False)
     ends = torch.tensor([e - 1 if e > s else NO_CHAR for s, e in enc["offset_mapping"]], dtype=torch.long)  # [T]
+    return list(enc["input_ids"]), ends, end_segments(f, ends)
+
+
+def end_segments(f: Formatted, ends: Tensor) -> Tensor:
+    """`[T]` the segment of each token of `f.text` from its last character `ends [T]` (`token_segments`)."""
     # forward fill from the last token with characters: segments of a conversation are not monotone,
     # so a running max (which this equals on question/answer text) would learn the user turns after the first
     at = torch.arange(len(ends))
     last = torch.cummax(torch.where(ends >= 0, at, -1), dim=0).values if len(ends) else at  # [T]
     seg = char_segments(f)[ends[last.clamp(min=0)].clamp(min=0)]  # [T]
-    seg = torch.where(last >= 0, seg, torch.tensor(PROMPT))
-    return list(enc["input_ids"]), ends, seg
+    return torch.where(last >= 0, seg, torch.tensor(PROMPT))
 
 
 def prompt_reads(student: Any, teachers: Mapping[str, Any], template: str = DEFAULT_TEMPLATE,

@@ -1,10 +1,10 @@
 """On-policy distillation (GKD, Agarwal et al. 2024): the student is taught on text it wrote itself.
 
 On an on-policy step the student samples one completion per prompt of the batch (HF `generate`
-under no_grad, KV cache on, left padding, `scoring.generate_batch`); each completion is decoded to
-text and re-tokenized for every reader (the student, and each teacher with its own tokenizer and
-prompt format), so every teacher scores exactly the text the student wrote and the time aligner
-maps one tokenization onto another by character offsets, as for the gold text.
+under no_grad, KV cache on, left padding, `scoring.generate_batch`); the student reads the ids it
+sampled, and each completion is decoded to text and tokenized for every teacher with its own
+tokenizer and prompt format, so every teacher scores exactly the text the student wrote and the time
+aligner maps one tokenization onto another by character offsets, as for the gold text.
 
 What a generated completion becomes:
 - it ends at its first EOS id; a row that reached the token budget (`max_new_tokens`, or what
@@ -16,8 +16,11 @@ What a generated completion becomes:
   completion without a marker is all reasoning: nothing in it is known to be the final answer, so
   answer-only terms (answer segment weights, CODI's answer position) skip that sample rather than
   read an unfinished rationale as an answer.
-- the student's tokens are its text re-tokenized, which differs from the sampled ids only where
-  sampling picked a non-canonical split of the same text.
+- the student reads the ids it sampled (its prompt's tokens, then its completion's, its EOS among
+  them), not its text re-tokenized: a sample may split a text in a way the tokenizer would not (a
+  small model's often do), and on-policy learning is on what the policy produced. Each token's last
+  character comes from decoding the ids up to it (`sampled_tokens`). A teacher with another
+  tokenizer reads the text in its own tokens, as for the gold text.
 - prompt tokens are labelled -100 (no loss); every reader is cut at `max_length` tokens.
 
 Sampling is seeded per (seed, optimizer step, rank, micro-batch) (`sampling_seed`): a resumed
@@ -38,8 +41,10 @@ from kvdistill.cache import PROMPT, REASONING
 from kvdistill.data import (
     ANSWER_MARKER,
     DEFAULT_TEMPLATE,
+    NO_CHAR,
     DataError,
     Formatted,
+    end_segments,
     format_prompt,
     pad_batch,
     shared_chars,
@@ -86,12 +91,13 @@ def split_generated(new: Tensor, eos_ids: Sequence[int]) -> tuple[Tensor, Tensor
 
 @dataclass
 class Completion:
-    """One generated completion: its text (special tokens dropped), whether it ended with EOS, and
-    how many tokens were generated before the end."""
+    """One generated completion: its text (special tokens dropped), whether it ended with EOS, how
+    many tokens were generated before the end, and the sampled ids (its EOS last when finished)."""
 
     text: str
     finished: bool
     tokens: int
+    ids: tuple[int, ...] = ()
 
 
 @torch.no_grad()
@@ -131,9 +137,9 @@ def sample_completions(
     finally:
         model.train(was_training)
     lengths, finished = split_generated(new, eos_token_ids(model, tokenizer))
-    rows = [ids[:n] for ids, n in zip(new.tolist(), lengths.tolist())]
+    rows = [ids[: n + f] for ids, n, f in zip(new.tolist(), lengths.tolist(), finished.tolist())]  # EOS kept
     texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
-    return [Completion(t, bool(f), n) for t, f, n in zip(texts, finished.tolist(), lengths.tolist())]
+    return [Completion(t, bool(f), n, tuple(r)) for t, f, n, r in zip(texts, finished.tolist(), lengths.tolist(), rows)]
 
 
 def write_completions(
@@ -148,15 +154,15 @@ def write_completions(
     """`records` with each `answer` replaced by a completion `model` samples for its question.
 
     Prompts are formatted for `model`'s own tokenizer (chat template included when asked), as in
-    training. A returned record is `{"question", "answer": completion text, "finished", "index"}`
-    (other fields of the record, such as a teacher's own rationale, do not describe this text and
-    are dropped). `sampling`: `sample_completions`'s keywords.
+    training. A returned record is `{"question", "answer": completion text, "finished", "index", "ids":
+    the sampled ids in `tokenizer`'s vocabulary}` (other fields of the record, such as a teacher's own
+    rationale, do not describe this text and are dropped). `sampling`: `sample_completions`'s keywords.
     """
     chat = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
     prompts = [format_prompt(str(r["question"]), template, tokenizer if chat else None) for r in records]
     done = sample_completions(model, tokenizer, prompts, add_special_tokens=not chat, **sampling)
-    return [{"question": r["question"], "answer": c.text, "finished": c.finished, "index": r.get("index", i)}
-            for i, (r, c) in enumerate(zip(records, done))]
+    return [{"question": r["question"], "answer": c.text, "finished": c.finished, "index": r.get("index", i),
+             "ids": list(c.ids)} for i, (r, c) in enumerate(zip(records, done))]
 
 
 def completion_segments(prompt: str, completion: str) -> Formatted:
@@ -168,21 +174,49 @@ def completion_segments(prompt: str, completion: str) -> Formatted:
     return Formatted(prompt + completion, len(prompt), len(prompt) + len(reasoning))
 
 
+def sampled_tokens(tokenizer: Any, f: Formatted, sampled: Sequence[int], chat: bool) -> tuple[list[int], Tensor, Tensor]:
+    """The prompt's tokens, then the `sampled` ids (`f.text[f.prompt_end:]` is them decoded):
+    `(ids, ends [T], seg [T])`, each token's last character in `f.text` and its segment.
+
+    A sampled token's end is where the decoding of the ids up to it ends. One that adds no character
+    of its own (a special token, or the first bytes of a character that a later token completes, which
+    decode to U+FFFD) gets `NO_CHAR`, as a special token does in `token_segments`, and the segment of
+    the character that follows it: it was sampled, so it is a target like the rest of the completion.
+    """
+    enc = tokenizer(f.text[: f.prompt_end], return_offsets_mapping=True, add_special_tokens=not chat)
+    ends = [e - 1 if e > s else NO_CHAR for s, e in enc["offset_mapping"]]
+    pieces = tokenizer.batch_decode([sampled[: k + 1] for k in range(len(sampled))], skip_special_tokens=True)
+    last, own = f.prompt_end - 1, []
+    for piece in pieces:
+        end = min(f.prompt_end + len(piece), len(f.text)) - 1
+        own.append(end if end > last and not piece.endswith("\ufffd") else NO_CHAR)
+        last = max(last, own[-1])
+    follows, nxt = [], len(f.text) - 1 if len(f.text) > f.prompt_end else NO_CHAR  # the next character's end
+    for e in reversed(own):
+        nxt = e if e >= 0 else nxt
+        follows.append(nxt)
+    seg = end_segments(f, torch.tensor(ends + follows[::-1], dtype=torch.long))
+    return [*enc["input_ids"], *sampled], torch.tensor(ends + own, dtype=torch.long), seg
+
+
 def tokenize_completion(
     tokenizer: Any,
     record: Mapping[str, Any],
     max_length: int = 512,
     template: str = DEFAULT_TEMPLATE,
     use_chat_template: bool = False,
+    sampled: bool = False,
 ) -> dict[str, Tensor]:
     """One completion record (`write_completions`) as one reader's training features.
+
+    `sampled`: `tokenizer` is the one that sampled the record, which is then read as its sampled
+    `ids` (`sampled_tokens`); otherwise the text is tokenized, and EOS is appended to a finished completion.
 
     Returns:
         dict of 1-D tensors `[T]` (T <= max_length): `input_ids`, `attention_mask`, `labels`
         (-100 on the prompt), `segment_ids` (0 prompt, 1 reasoning, 2 answer), `char_ends` (each
         token's last character in the plain-prompt text, -1 for special tokens: cross-vocab logit KD
-        and the time alignment pair positions by them). A token takes the segment of its last character; EOS is appended only
-        to a finished completion.
+        and the time alignment pair positions by them). A token takes the segment of its last character.
     """
     chat = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
     question = str(record["question"])
@@ -190,14 +224,18 @@ def tokenize_completion(
     f = completion_segments(prompt, str(record["answer"]))
     if chat:  # char ends in the plain prompt's coordinates, as `tokenize_example` gives them: readers pair by them
         f = replace(f, shared=shared_chars(prompt, format_prompt(question, template), question, len(f.text)))
-    ids, ends, seg = token_segments(tokenizer, f, chat)
+    if sampled:
+        ids, ends, seg = sampled_tokens(tokenizer, f, record["ids"], chat)
+    else:
+        ids, ends, seg = token_segments(tokenizer, f, chat)
     ends = f.shared_ends(ends)
     ids = torch.tensor(ids, dtype=torch.long)  # [T]
-    if record["finished"] and tokenizer.eos_token_id is not None:
+    if record["finished"] and not sampled and tokenizer.eos_token_id is not None:
+        ids, seg = torch.cat([ids, ids.new_tensor([tokenizer.eos_token_id])]), torch.cat([seg, seg.new_tensor([PROMPT])])
+        ends = torch.cat([ends, ends.new_tensor([NO_CHAR])])
+    if record["finished"] and len(seg):
         # an empty completion's EOS is still the student's choice, so it is a target too (reasoning)
-        last = max(int(seg[-1]) if len(seg) else PROMPT, REASONING)
-        ids, seg = torch.cat([ids, ids.new_tensor([tokenizer.eos_token_id])]), torch.cat([seg, seg.new_tensor([last])])
-        ends = torch.cat([ends, ends.new_tensor([-1])])
+        seg[-1] = max(int(seg[-2]) if len(seg) > 1 else PROMPT, REASONING)
     ids, seg = ids[:max_length], seg[:max_length]
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.masked_fill(seg == PROMPT, -100),
             "segment_ids": seg, "char_ends": ends[:max_length]}
@@ -212,6 +250,7 @@ def completion_batch(
     max_length: int = 512,
     template: str = DEFAULT_TEMPLATE,
     use_chat_template: bool = False,
+    sampled: bool = False,
 ) -> dict[str, Any]:
     """Completion records as a training batch shaped like `data.DistillCollator`'s.
 
@@ -222,16 +261,17 @@ def completion_batch(
             student's tokens (the others read the student's tensors).
         labelled: `[B]` bool, which rows get the LM loss (False for the student's own samples:
             learning its own text by CE would only reinforce it).
+        sampled: the student sampled the records: it reads their sampled ids (`tokenize_completion`).
 
     Returns:
         the student's `input_ids, attention_mask, labels, segment_ids` `[B, T]`, `index [B]`,
         `labelled [B]` and `teacher_inputs: {name: {input_ids, attention_mask, segment_ids}}`.
     """
-    def encode(tok: Any) -> dict[str, Tensor]:
-        feats = [tokenize_completion(tok, r, max_length, template, use_chat_template) for r in records]
+    def encode(tok: Any, sampled: bool = False) -> dict[str, Tensor]:
+        feats = [tokenize_completion(tok, r, max_length, template, use_chat_template, sampled) for r in records]
         return pad_batch(feats, tok.pad_token_id if tok.pad_token_id is not None else 0)
 
-    batch: dict[str, Any] = encode(tokenizer)
+    batch: dict[str, Any] = encode(tokenizer, sampled=sampled)
     batch["index"] = torch.tensor([int(r["index"]) for r in records])
     batch["labelled"] = labelled.bool().cpu()
     teacher_inputs = {}

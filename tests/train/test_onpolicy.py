@@ -71,8 +71,11 @@ def test_every_teacher_reads_the_students_completion_not_the_gold_one(trainer, m
             assert text == e["answer"], name  # what the student wrote...
             assert gold_text not in text
             real = seen[name]["attention_mask"][i].bool()
-            own = tokenize_completion(tok, e, args.max_length, args.prompt_template)["input_ids"]
+            sampled = tok is trainer.processing_class  # the student's tokens: the ids it sampled, not its text's
+            own = tokenize_completion(tok, e, args.max_length, args.prompt_template, sampled=sampled)["input_ids"]
             assert torch.equal(seen[name]["input_ids"][i][real], own), name  # ...in this teacher's own tokens
+            if sampled:
+                assert own[-len(e["ids"]):].tolist() == e["ids"]
     assert not written["labelled"].any()  # no LM loss on the student's own text
 
 

@@ -361,7 +361,8 @@ class KVDistillTrainer(Trainer):
         readers = {name: view.tokenizer for name, view in self.data_collator.teachers.items()}
         labelled = batch["labelled"].cpu() & (not on_policy)
         return completion_batch(written, self.processing_class, readers, labelled, max_length=args.max_length,
-                                template=args.prompt_template, use_chat_template=args.use_chat_template)
+                                template=args.prompt_template, use_chat_template=args.use_chat_template,
+                                sampled=on_policy)
 
     def _step_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A generator seeded by (seed, step, rank): controls and random compression replay exactly."""
