@@ -88,6 +88,23 @@ def test_pre_rope_keys(tiny_world):
     torch.testing.assert_close(pre.values, post.values)
 
 
+def test_hidden_key_space_is_the_residual_stream_as_keys_and_values(tiny_world):
+    """key_space hidden: keys and values are each layer's output hidden state `[L, B, 1, T, d]`, with the graph
+    to the student's weights; no queries."""
+    model = load_model(tiny_world.models["llama_teacher"], dtype="fp32")
+    batch = _batch(tiny_world, "llama_teacher")
+    out, kv = forward_with_kv(model, batch["input_ids"], batch["attention_mask"], key_space="hidden")
+    ref = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+    L, d = model.config.num_hidden_layers, model.config.hidden_size
+    assert kv.keys.shape == (L, 2, 1, batch["input_ids"].shape[1], d) and kv.keys is kv.values
+    torch.testing.assert_close(kv.keys[:, :, 0], torch.stack(ref.hidden_states[1:]))
+    torch.testing.assert_close(out.logits, ref.logits)
+    kv.keys.sum().backward()
+    assert model.model.layers[0].mlp.down_proj.weight.grad is not None
+    with pytest.raises(ValueError, match="no queries"):
+        forward_with_kv(model, batch["input_ids"], batch["attention_mask"], key_space="hidden", queries=True)
+
+
 def test_legacy_tuple_cache_stacks():
     legacy = tuple((torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)) for _ in range(6))
     k, v = stack_cache(legacy)

@@ -26,7 +26,7 @@ from kvdistill.data import (
     shorten_rationale,
     tokenize_example,
 )
-from kvdistill.models import load_tokenizer
+from kvdistill.models import load_model, load_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -283,16 +283,33 @@ def test_collator_caches_and_pairs_conversations(toks):
         "(it has no chat template)")
 
 
-def test_eval_and_generate_refuse_records_without_final_answers_in_one_line(tmp_path, tiny_world):
-    """Scoring reads a final answer and a question; a messages data set has neither: one line, before a model loads."""
+def test_eval_gives_the_lm_loss_and_generate_refuses_records_without_final_answers(tmp_path, tiny_world):
+    """Scoring reads a final answer and a question; a messages data set has neither: eval gives its held-out LM
+    loss on what training learns of it (the assistant turns) and nothing else, equal to the loss computed here;
+    eval --no_perplexity and generate are refused in one line, writing nothing."""
     from kvdistill.commands import eval as eval_cmd
     from kvdistill.commands import generate as generate_cmd
+    from kvdistill.data import pad_batch
 
     data = tmp_path / "chat.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "yo " * (i + 1)}]}
+            for i in range(3)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     student = str(tiny_world.models["student"])
-    with pytest.raises(DataError, match=r"^kvdistill eval scores final answers .* these are messages records"):
-        eval_cmd.main(["--model", student, "--data", str(data), "--split", "train", "--output_dir", str(tmp_path / "e")])
+    assert eval_cmd.main(["--model", student, "--data", str(data), "--split", "train", "--output_dir",
+                          str(tmp_path / "ok")]) == 0
+    summary = json.loads((tmp_path / "ok" / "summary.json").read_text())
+    assert summary["accuracy"] is None and summary["answer_nll"] is None and summary["n"] == 3
+    model, tok = load_model(student, dtype="fp32"), load_tokenizer(student)
+    batch = pad_batch([tokenize_example(tok, r) for r in load_records(data, "train")], tok.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100)
+    assert summary["nll"] == pytest.approx(float(nll), rel=1e-5) and summary["target_tokens"] == int((labels != -100).sum())
+    with pytest.raises(DataError, match=r"^these are messages records, with no final answers to score"):
+        eval_cmd.main(["--model", student, "--data", str(data), "--split", "train", "--output_dir", str(tmp_path / "e"),
+                       "--no_perplexity"])
     with pytest.raises(DataError, match=r"^kvdistill generate \(its prompts are questions\) scores final answers"):
         generate_cmd.main(["--model", student, "--data", str(data), "--split", "train", "--output", str(tmp_path / "g" / "t.jsonl")])
     assert not [*tmp_path.glob("e/*"), *tmp_path.glob("g/*")]  # no results, whole or partial

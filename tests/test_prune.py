@@ -9,10 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
+from kvdistill.align.layer_map import load_layer_map
 from kvdistill.cli import main as cli_main
 from kvdistill.config import ConfigError
-from kvdistill.models import load_tokenizer, save_random_model
-from kvdistill.prune import MANIFEST, keep_indices, prune, prune_model
+from kvdistill.models import config_hash, load_tokenizer, save_random_model
+from kvdistill.prune import LAYER_MAP, MANIFEST, keep_indices, prune, prune_model
 
 GEMMA_TYPES = ["sliding_attention"] * 5 + ["full_attention"]  # Gemma 3's pattern: 5 local layers, then 1 global
 
@@ -92,6 +93,9 @@ def test_prune_cli_end_to_end(tiny_gemma, tmp_path: Path, capsys) -> None:
         assert torch.allclose(reloaded(ids).logits, reference_logits(source, [1, 3, 5], ids), atol=1e-5)
     assert load_tokenizer(out).get_vocab() == load_tokenizer(tiny_gemma).get_vocab()
     assert not list(tmp_path.glob(".*tmp"))  # the scratch copy was renamed into place
+    # the pruning's layer map: student layer j -> source layer keep[j], read back for these two models
+    M = load_layer_map(out / LAYER_MAP, 3, 6, student_hash=config_hash(reloaded), teacher_hash=config_hash(source))
+    assert M.tolist() == [[0, 1, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 1]]
 
 
 @pytest.mark.parametrize("keep, message", [

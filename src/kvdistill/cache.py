@@ -16,7 +16,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-KeySpace = Literal["post_rope", "pre_rope"]
+KeySpace = Literal["post_rope", "pre_rope", "hidden"]  # hidden: the residual stream as keys and values
+KEY_SPACES = ("post_rope", "pre_rope", "hidden")
 
 # segment ids, shared by data, time alignment and the losses
 PAD, PROMPT, REASONING, ANSWER = -1, 0, 1, 2
@@ -285,15 +286,26 @@ def forward_with_kv(
         attention_mask: `[B, T]` 1 real / 0 pad.
         segment_ids: `[B, T]` optional segment ids, carried into the returned `KVCache`.
         labels: `[B, T]` optional LM labels (-100 ignored), passed to the model.
-        key_space: "post_rope" (as cached) or "pre_rope" (key projection output).
+        key_space: "post_rope" (as cached), "pre_rope" (key projection output) or "hidden": the hidden
+            state after each layer `[L, B, 1, T, d]` as both keys and values, one "head" of the model's
+            width (an intermediate-state loss, as Minitron's, through the same aligners and losses); the
+            last is after the final norm, as HF's `hidden_states` give it.
         output_hidden_states: also return hidden states `[L+1, B, T, d_model]`.
         queries: also return post-RoPE queries `[L, B, H_q, T, D]` (`capture_queries`; kv_loss attention).
 
     Returns:
         (model output, KVCache)
     """
-    if key_space not in ("post_rope", "pre_rope"):
-        raise ValueError(f"key_space must be 'post_rope' or 'pre_rope', got {key_space!r}")
+    if key_space not in KEY_SPACES:
+        raise ValueError(f"key_space must be one of {KEY_SPACES}, got {key_space!r}")
+    if key_space == "hidden":
+        if queries:
+            raise ValueError("key_space hidden gives hidden states, which have no queries (kv_loss attention)")
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False,
+                    output_hidden_states=True, **model_kwargs)
+        hidden = torch.stack(out.hidden_states)  # [L+1, B, T, d]: the embeddings, then each layer's output
+        h = hidden[1:].unsqueeze(2)  # [L, B, 1, T, d]
+        return out, KVCache(h, h, attention_mask, segment_ids, hidden if output_hidden_states else None)
     inner = getattr(model, "module", model)  # DDP/FSDP wrapper -> the HF model, for hooks/config
     ctx = capture_pre_rope_keys(inner) if key_space == "pre_rope" else nullcontext([])
     with ctx as pre_keys, (capture_queries(inner) if queries else nullcontext([])) as qs:

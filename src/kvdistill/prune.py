@@ -2,7 +2,9 @@
 
 The pruned model shares its source's tokenizer, vocabulary, embeddings, final norm and head, so it is a
 same-vocabulary student of its source from the first step (logit KD reads every row of both heads), and
-its layer `j` starts as the source's layer `keep[j]`: the natural layer map for KV distillation.
+its layer `j` starts as the source's layer `keep[j]`: the natural layer map for KV distillation, written
+beside the model as `layer_map.json` (`M[j, keep[j]] = 1`, the format of `kvdistill layer-map`; a run reads
+it as a teacher's `layer_map:` with `layer_map: cka`, the option that reads a layer-map file).
 
 What changes in the config: `num_hidden_layers`, and every per-layer list (a list attribute of
 `num_hidden_layers` entries whose name says `layer`, e.g. Gemma's `layer_types`, SmolLM3's
@@ -25,15 +27,18 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from kvdistill.align.layer_map import save_layer_map
 from kvdistill.config import ConfigError
 from kvdistill.io import write_json_atomic, writing
-from kvdistill.models import load_model, load_tokenizer
+from kvdistill.models import config_hash, load_model, load_tokenizer
 
 EVERY_OTHER = "every_other"
 MANIFEST = "kvdistill_prune.json"  # where the layers came from: the pruned model's layer map onto its source
+LAYER_MAP = "layer_map.json"  # the same as a layer map (student layer j -> source layer keep[j])
 
 
 def keep_indices(keep: str | Sequence[int], n_layers: int) -> list[int]:
@@ -118,7 +123,8 @@ def prune_model(model: PreTrainedModel, keep: str | Sequence[int]) -> PreTrained
 
 def prune(model: str | os.PathLike, keep: str | Sequence[int], output_dir: str | os.PathLike) -> Path:
     """Prune the causal LM at `model` (a directory or Hub id) to its `keep` layers and save it, with its
-    tokenizer and a `kvdistill_prune.json` naming the source and the kept layers, to `output_dir`.
+    tokenizer, a `kvdistill_prune.json` naming the source and the kept layers and their `layer_map.json`, to
+    `output_dir`.
 
     `output_dir` must not exist or be empty. The model is written to a hidden sibling directory and renamed
     into place, so a failed run leaves nothing at `output_dir`.
@@ -137,6 +143,11 @@ def prune(model: str | os.PathLike, keep: str | Sequence[int], output_dir: str |
         pruned.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / MANIFEST, {"source": str(model), "source_layers": n_layers, "kept_layers": keep})
+        M = torch.zeros(len(keep), n_layers)  # [L_s, L_t]
+        M[torch.arange(len(keep)), torch.tensor(keep)] = 1.0
+        save_layer_map(tmp / LAYER_MAP, M, provenance={
+            "method": "prune", "source": str(model), "kept_layers": keep,
+            "student_config_hash": config_hash(pruned), "teacher_config_hash": config_hash(source)})
         if out.is_dir():
             out.rmdir()  # empty (checked above): the rename below needs the name free
         tmp.rename(out)

@@ -147,6 +147,7 @@ def read_run(rdir: str | Path) -> dict[str, Any] | None:
         "ci_high": summary.get("ci_high"),
         "n": summary.get("n"),
         "perplexity": summary.get("perplexity"),
+        "nll": summary.get("nll"),  # held-out LM loss per target token
         "ce": final.get("ce"),
         "kv_loss": final.get("kv_loss"),
         "cos_sim": final.get("cos_sim"),

@@ -69,6 +69,7 @@ def test_help_lists_every_tasks_knobs(capsys):
     (["--task", "modular", "--depth", "1"], "--depth is an option of --task binding, not of modular"),
     (["--task", "arithmetic", "--modulus", "13"], "--modulus is an option of --task modular"),
     (["--task", "sorting"], "task 'sorting' is not one of"),
+    (["--task", "text", "--source", "/nonexistent"], "no .txt files there"),
 ])
 def test_impossible_knobs_are_one_line_errors_and_write_nothing(argv, message, tmp_path, capsys):
     assert main(["gen-data", "--output_dir", str(tmp_path / "out"), *argv]) == 2
@@ -84,3 +85,28 @@ def test_arithmetic_dev_is_disjoint_even_where_problems_are_few(tmp_path):
                  "--min_steps", "1", "--max_steps", "1", "--max_value", "2"]) == 0
     seen = [{r["question"] for r in load_records(out, split)} for split in ("train", "dev", "test")]
     assert sum(map(len, seen)) == len(set.union(*seen)) == 500
+
+
+def test_text_task_cuts_local_files_into_windows_each_file_in_one_split(tmp_path, capsys):
+    """--task text: windows of at most --window_chars of the source's files, paragraphs kept whole where they fit,
+    every window of a file in the split its name hashes to; text-format records that load for training."""
+    from kvdistill.lab.tasks.corpus import split_of, windows
+
+    src = tmp_path / "notes"
+    src.mkdir()
+    for i in range(40):
+        (src / f"{i}.txt").write_text("\n\n".join(f"File {i} paragraph {j}. " + "word " * (5 * j) for j in range(8)))
+    out = tmp_path / "data"
+    assert main(["gen-data", "--task", "text", "--source", str(src), "--window_chars", "120", "--n_train", "30",
+                 "--n_dev", "5", "--n_test", "5", "--output_dir", str(out)]) == 0
+    seen = {}
+    for split in ("train", "dev", "test"):
+        assert len(load_records(out, split)) == {"train": 30, "dev": 5, "test": 5}[split]  # loadable as text
+        for r in map(json.loads, (out / f"{split}.jsonl").read_text().splitlines()):
+            assert len(r["text"]) <= 120 and split_of(r["source"], 0.1, 0.1) == split
+            seen.setdefault(r["source"], set()).add(split)
+    assert all(len(splits) == 1 for splits in seen.values())
+    assert windows("a\n\nb\n\n" + "c" * 10, 5) == ["a\n\nb", "ccccc", "ccccc"]  # packed, then cut at the limit
+    assert main(["gen-data", "--task", "text", "--source", str(src), "--n_train", "5", "--n_dev", "1", "--n_test", "500",
+                 "--output_dir", str(tmp_path / "x")]) == 2
+    assert "fewer than the 500 asked" in capsys.readouterr().err and not list(tmp_path.glob("x/*.jsonl"))

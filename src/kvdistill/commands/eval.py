@@ -1,5 +1,8 @@
 """`kvdistill eval`: GSM8K-style accuracy, answer NLL and held-out perplexity of any HF causal LM.
 
+Records without final answers (text, conversations, prompt/completion) get the held-out LM loss only:
+`nll` per target token of what training learns of them, and its perplexity.
+
 Loads a model (Hub id, model dir, or a kvdistill run / checkpoint dir, whose training prompt
 settings are reused), scores it with `kvdistill.evaluate.scoring` and writes `items.jsonl` +
 `summary.json`. `--data` is required: there is no default dataset.
@@ -21,8 +24,9 @@ from kvdistill.data import (
     DEFAULT_TEMPLATE,
     format_example,
     format_prompt,
+    has_finals,
     load_records,
-    require_finals,
+    record_format,
     shorten_rationale,
 )
 from kvdistill.evaluate.scoring import CHAT_MODES, evaluate_model, use_chat, write_results
@@ -130,11 +134,12 @@ def check_lengths(model: Any, tokenizer: Any, records: list[dict], name: str, da
         i = max(range(len(lengths)), key=lengths.__getitem__)
         return i, lengths[i]
 
-    i, n = longest([format_prompt(r["question"], template, tokenizer if chat else None) for r in records])
-    new = settings.get("max_new_tokens", 256)
-    fix = (f"lower --max_new_tokens to {limit - n}, or leave the longest questions out" if limit and n < limit
-           else "leave questions this long out of the data")
-    check_length(model, n + new, name, f"question {i} of {data} ({n} tokens) plus --max_new_tokens {new}", fix)
+    if has_finals(records):  # generated answers: the longest prompt plus the generation budget
+        i, n = longest([format_prompt(r["question"], template, tokenizer if chat else None) for r in records])
+        new = settings.get("max_new_tokens", 256)
+        fix = (f"lower --max_new_tokens to {limit - n}, or leave the longest questions out" if limit and n < limit
+               else "leave questions this long out of the data")
+        check_length(model, n + new, name, f"question {i} of {data} ({n} tokens) plus --max_new_tokens {new}", fix)
     if settings.get("perplexity", True):  # as `tokenize_example` makes them: + EOS, cut at max_length
         i, n = longest([format_example(r, template, tokenizer if chat else None).text for r in records], extra=1)
         n = min(n, settings.get("max_length", 512))
@@ -178,7 +183,7 @@ def run_eval(
     kwargs.setdefault("chat_template", "off")  # training's default: a base model reads what its student was taught on
     device = resolve_device(device)
     records = load_records(data, split=split, field_map=field_map, limit=limit)
-    require_finals(records, "kvdistill eval")
+    finals = has_finals(records)  # else (text, conversations, prompt/completion) the held-out LM loss only
     student_input = trained.get("student_input", "full")
     if student_input != "full":  # a privileged-mode student never learned the full rationale
         records = [shorten_rationale(r, student_input) for r in records]
@@ -186,7 +191,9 @@ def run_eval(
     model = load_model(model_dir, dtype=dtype, device=device)
     check_vocab(model, tokenizer, model_dir)
     check_lengths(model, tokenizer, records, model_dir, str(data), kwargs)
-    log(f"eval: {model_dir} on {data}:{split} ({len(records)} questions, device {device}); prompt "
+    what = (f"{len(records)} questions" if finals else
+            f"{len(records)} {record_format(records[0])} records: no final answers, the held-out LM loss only")
+    log(f"eval: {model_dir} on {data}:{split} ({what}, device {device}); prompt "
         f"{kwargs.get('template') or DEFAULT_TEMPLATE!r}, chat template {kwargs['chat_template']}"
         + (" (as the run was trained)" if "chat_template" in trained else ""))
     result = evaluate_model(model, tokenizer, records, **{"answer_nll": True, **kwargs})
@@ -223,6 +230,10 @@ def main(argv: list[str]) -> int:
         update_card=cfg.update_card,
     )
     ppl, nll = result["perplexity"], result["answer_nll"]
+    if result["accuracy"] is None:
+        print(f"held-out LM loss {result['nll']:.4f} nats/token over {result['target_tokens']} tokens of "
+              f"{result['n']} records, perplexity {ppl:.3f}")
+        return 0
     print(
         f"accuracy {result['accuracy']:.4f} ({result['n_correct']}/{result['n']}), "
         f"95% CI [{result['ci_low']:.4f}, {result['ci_high']:.4f}]"

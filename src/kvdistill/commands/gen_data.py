@@ -7,6 +7,8 @@ Tasks (docs/tasks.md):
               other_task and other_task_dev (one lookup shallower, for the other-task control teacher)
   modular     `a+b mod p`, several equations per sequence, one asked: the same splits; train covers
               `labelled` of the table, dev and test ask pairs without a label, other_task is `a*b mod p`
+  text        real text, not generated: windows of local text files (default Debian's git release notes),
+              each file in one split (`lab/tasks/corpus.py`); text-format records (LM loss on every token)
 
 Every option names its task in `--help` ([binding] ...); setting one of another task is refused.
 `task.json` beside the splits records the options and the split sizes.
@@ -19,10 +21,10 @@ from pathlib import Path
 
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config
 from kvdistill.io import write_json_atomic
-from kvdistill.lab.tasks import binding, modular
+from kvdistill.lab.tasks import binding, corpus, modular
 from kvdistill.synthetic import OPS, generate_problems, make_splits, write_jsonl
 
-TASKS = ("arithmetic", "binding", "modular")
+TASKS = ("arithmetic", "binding", "modular", "text")
 
 
 def knob(default, help: str, *tasks: str):
@@ -46,8 +48,8 @@ class GenDataConfig:
     seed: int = option(0, "Generator seed.")
     n_dev: int = option(200, "Dev problems (settings and budgets are chosen on them; never on test).")
     n_test: int = option(500, "Test problems.")
-    n_train: int = knob(2000, "Training problems (binding: the student's labelled subset of the pool).",
-                        "arithmetic", "binding")
+    n_train: int = knob(2000, "Training problems (binding: the student's labelled subset of the pool; text: "
+                        "windows).", "arithmetic", "binding", "text")
     min_steps: int = knob(2, "Fewest arithmetic steps per problem.", "arithmetic")
     max_steps: int = knob(3, "Most arithmetic steps per problem.", "arithmetic")
     max_value: int = knob(20, "Largest operand.", "arithmetic")
@@ -73,6 +75,9 @@ class GenDataConfig:
                                    "pairs; the rest is their held-out gate).", "modular")
     min_equations: int = knob(6, "Fewest equations per sequence (the last one is asked).", "modular")
     max_equations: int = knob(8, "Most equations per sequence.", "modular")
+    source: str = knob(str(corpus.GIT_RELNOTES), "A directory of .txt files (or one file) to cut into windows.",
+                       "text")
+    window_chars: int = knob(1000, "Most characters per window (paragraphs packed whole where they fit).", "text")
     repeats: int = knob(1, "Times each training pair is asked (with other contexts) in train and teacher_pool.",
                         "modular")
 
@@ -89,6 +94,8 @@ class GenDataConfig:
         counts = ("n_train", "n_dev", "n_test", "n_pool", "n_teacher_dev", "n_recall")
         if bad := [n for n in counts if getattr(self, n) < 0]:
             raise ConfigError(f"{', '.join(bad)} must be >= 0")
+        if self.task == "text" and self.window_chars < 1:
+            raise ConfigError(f"--window_chars must be >= 1, got {self.window_chars}")
         if self.task == "arithmetic":
             if not 1 <= self.min_steps <= self.max_steps or self.max_value < 2:
                 raise ConfigError("need 1 <= min_steps <= max_steps and max_value >= 2")
@@ -115,6 +122,9 @@ def make_task_splits(cfg: GenDataConfig) -> dict[str, list[dict]]:
             unseen=cfg.unseen, min_chains=cfg.min_chains, max_chains=cfg.max_chains, depth=cfg.depth, names=cfg.names,
             order=cfg.order,
         )
+    if cfg.task == "text":
+        return corpus.make_splits(cfg.source, n_train=cfg.n_train, n_dev=cfg.n_dev, n_test=cfg.n_test,
+                                  window_chars=cfg.window_chars, seed=cfg.seed)
     if cfg.task == "modular":
         return modular.make_splits(
             n_dev=cfg.n_dev, n_test=cfg.n_test, n_teacher_dev=cfg.n_teacher_dev, p=cfg.modulus, op=cfg.op,

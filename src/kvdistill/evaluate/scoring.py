@@ -41,7 +41,9 @@ from kvdistill.data import (
     DEFAULT_TEMPLATE,
     DataError,
     format_prompt,
+    has_finals,
     pad_batch,
+    record_format,
     split_answer,
     tokenize_example,
 )
@@ -403,6 +405,9 @@ def evaluate_model(
     if hasattr(model, "eval"):
         model.eval()
     chat = use_chat(tokenizer, chat_template)
+    if records and not has_finals(records):  # text, conversations, prompt/completion: nothing to generate and score
+        return lm_loss_summary(model, tokenizer, records, batch_size=batch_size, template=template, chat=chat,
+                               perplexity=perplexity, max_length=max_length)
     stops = list(default_stop_strings(template) if stop_strings is None else stop_strings)
     prompts = [format_prompt(str(r["question"]), template, tokenizer if chat else None) for r in records]
     t0 = time.perf_counter()
@@ -456,6 +461,22 @@ def evaluate_model(
         }
     )
     return summary
+
+
+def lm_loss_summary(model: Any, tokenizer: Any, records: Sequence[Mapping[str, Any]], *, batch_size: int,
+                    template: str, chat: bool, perplexity: bool, max_length: int) -> dict[str, Any]:
+    """`evaluate_model`'s summary for records without final answers (text, conversations, prompt/completion):
+    the held-out LM loss on what training learns of them (`nll` per target token, `perplexity`); accuracy and
+    answer NLL are None (nothing is generated)."""
+    if not perplexity:
+        raise DataError(f"these are {record_format(records[0])} records, with no final answers to score: the "
+                        "held-out LM loss is all an evaluation of them gives; drop --no_perplexity")
+    ppl = reference_perplexity(model, tokenizer, records, batch_size=batch_size, template=template,
+                               use_chat_template=chat, max_length=max_length)
+    return {"accuracy": None, "ci_low": None, "ci_high": None, "n": len(records), "n_correct": None,
+            "n_no_answer": None, "answer_nll": None, "perplexity": ppl["perplexity"], "nll": ppl["nll"],
+            "target_tokens": ppl["tokens"], "chat_template": chat, "template": template, "batch_size": batch_size,
+            "max_length": max_length, "items": []}
 
 
 def write_results(result: Mapping[str, Any], out_dir: str | Path) -> tuple[Path, Path]:

@@ -39,15 +39,17 @@ from typing import Any
 from kvdistill.config import ConfigError
 from kvdistill.io import read_json, write_json_atomic
 
-METRICS = ("accuracy", "answer_nll", "steps_to_threshold")
+METRICS = ("accuracy", "answer_nll", "nll", "steps_to_threshold")  # nll: held-out LM loss per token
 TESTS = ("paired_t", "welch", "mann_whitney", "logrank", "tost")
-LOWER_IS_BETTER = {"accuracy": False, "answer_nll": True, "steps_to_threshold": True}
+LOWER_IS_BETTER = {"accuracy": False, "answer_nll": True, "nll": True, "steps_to_threshold": True}
 # t-tests and TOST need a value per run; a censored step count has none, so its tests are rank/survival ones
 TESTS_FOR = {"accuracy": ("paired_t", "welch", "mann_whitney", "tost"),
              "answer_nll": ("paired_t", "welch", "mann_whitney", "tost"),
+             "nll": ("paired_t", "welch", "mann_whitney", "tost"),
              "steps_to_threshold": ("logrank", "mann_whitney")}
 RECORD = "preregistration.json"
-METRIC_NAMES = {"accuracy": "accuracy", "answer_nll": "answer NLL", "steps_to_threshold": "steps to threshold"}
+METRIC_NAMES = {"accuracy": "accuracy", "answer_nll": "answer NLL", "nll": "held-out LM loss",
+                "steps_to_threshold": "steps to threshold"}
 
 
 @dataclass

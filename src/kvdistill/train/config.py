@@ -223,7 +223,9 @@ class KVDistillConfig(TrainingArguments):
                             affects="student_loss", group="alignment", card="alignment")
     key_space: str = option("auto", "Keys as cached (post_rope) or before RoPE (pre_rope); auto: pre_rope for "
                             "kv_loss relation (relations of rotated keys depend on position), else post_rope "
-                            "(kv_loss attention needs post_rope: attention reads rotated queries and keys).",
+                            "(kv_loss attention needs post_rope: attention reads rotated queries and keys). hidden: "
+                            "the hidden state after each layer in place of keys and values, the KV term then an "
+                            "intermediate-state loss (Minitron's) through the same layer map, aligner and kv_loss.",
                             affects="teacher_outputs", group="alignment", card="alignment")
     # ---- losses
     kv_loss: str = option("mercator", f"KV loss: {KV_LOSSES}.", affects="student_loss", group="signals", card="signals")
@@ -450,7 +452,7 @@ class KVDistillConfig(TrainingArguments):
             "dataset_format": DATASET_FORMATS,
             "time_mode": TIME_MODES, "layer_map": LAYER_MAPS, "head_mode": HEAD_MODES, "projector": PROJECTORS,
             "kv_loss": KV_LOSSES, "fusion": FUSIONS, "logit_kd_kind": LOGIT_KD, "direction": DIRECTIONS,
-            "key_space": ("auto", "post_rope", "pre_rope"), "projector_init": ("xavier", "orthogonal", "identity"),
+            "key_space": ("auto", "post_rope", "pre_rope", "hidden"), "projector_init": ("xavier", "orthogonal", "identity"),
             "teacher_control": TEACHER_CONTROLS, "teacher_compression": (*COMPRESSIONS, "none"),
             "on_nonfinite": ON_NONFINITE, "capture_dtype": ("fp32", "bf16", "fp16"), "capture_layers": ("all", "mapped"),
             "capture_compression": COMPRESSIONS, "oracle_code": ORACLE_CODES,

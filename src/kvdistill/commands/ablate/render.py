@@ -96,10 +96,10 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
                   f"{pair}: Δ accuracy {delta}, paired t-test p {tp} (Welch p {wp}), permutation p {pp}, bootstrap "
                   f"95 % CI {ci} — {verdict} at p < 0.05 on both paired tests.", ""]
     lines += [
-        "| variant | seeds | accuracy | cos-sim | relation / attention KL | perplexity | reference | Δ acc "
+        "| variant | seeds | accuracy | cos-sim | relation / attention KL | perplexity | held-out LM loss | reference | Δ acc "
         "| t-test p (seeds) "
         "| Welch p (seeds) | permutation p (items) | bootstrap 95 % CI of Δ (items) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows.values():
         cmp_ = row.get("vs_baseline")
@@ -107,7 +107,8 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         ref = label.get(row.get("reference"), "–") if cmp_ else "–"
         lines.append(
             f"| {row['label']} | {len(row['seeds'])} | {_pm(row['accuracy'])} | {_pm(row['cos_sim'])} "
-            f"| {_pm(_kl(row), 4)} | {_pm(row['perplexity'], 2)} | {ref} | " + " | ".join(cells) + " |"
+            f"| {_pm(_kl(row), 4)} | {_pm(row['perplexity'], 2)} | {_pm(row.get('nll'), 4)} | {ref} | "
+            + " | ".join(cells) + " |"
         )
     lines += render_row_split(rows)
     controlled = {n: r for n, r in rows.items() if r.get("controls")}
@@ -187,16 +188,16 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
         "## Runs",
         "",
         "| variant | seed | accuracy | 95 % CI | n | answer NLL | cos-sim | relation / attention KL | CE "
-        "| perplexity | steps "
+        "| perplexity | held-out LM loss | steps "
         "| threshold at | train s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["variants"].values():
         for seed, r in row["runs"].items():
             lines.append(
                 f"| {row['label']} | {seed} | {fmt_num(r['accuracy'])} | [{fmt_num(r['ci_low'])}, {fmt_num(r['ci_high'])}] "
                 f"| {r['n']} | {fmt_num(r.get('answer_nll'))} | {fmt_num(r['cos_sim'])} "
-                f"| {fmt_num(_kl(r), 4)} | {fmt_num(r['ce'])} | {fmt_num(r['perplexity'], 2)} "
+                f"| {fmt_num(_kl(r), 4)} | {fmt_num(r['ce'])} | {fmt_num(r['perplexity'], 2)} | {fmt_num(r.get('nll'), 4)} "
                 f"| {r['global_step'] if r['global_step'] is not None else '–'} | {fmt_reached(r.get('steps'))} "
                 f"| {fmt_num(r.get('train_runtime'), 0)} |"
             )

@@ -25,7 +25,7 @@ from kvdistill.runs import EVAL_DIR, EVAL_SUMMARY, TRAIN_SUMMARY, read_run
 from kvdistill.train.config import TEACHER_CONTROLS
 
 # what the report records of each run (`variants[v].runs[seed]`), besides its per-item correctness
-_RUN_KEYS = ("accuracy", "ci_low", "ci_high", "n", "perplexity", "ce", "kv_loss", "cos_sim", "relation_kl",
+_RUN_KEYS = ("accuracy", "ci_low", "ci_high", "n", "perplexity", "nll", "ce", "kv_loss", "cos_sim", "relation_kl",
              "global_step", "answer_nll", "steps", "agreement", "train_runtime")
 
 
@@ -62,9 +62,16 @@ def compare(
 ) -> dict[str, Any]:
     """Variant vs baseline on the seeds both have: paired t-test over seeds, permutation and
     bootstrap over items pooled across those seeds (paired by (seed, item index)); beside them, over
-    every seed of each: Welch and Mann–Whitney on accuracy, TOST within ±`margin`, the answer-NLL
-    tests and, for steps to the threshold, log-rank and Mann–Whitney."""
+    every seed of each: Welch and Mann–Whitney on accuracy, TOST within ±`margin`, the answer-NLL and
+    held-out LM loss (`nll`) tests and, for steps to the threshold, log-rank and Mann–Whitney. Runs on
+    records without final answers (text) have no accuracy: its tests are then None."""
     seeds = sorted(set(runs) & set(base_runs))
+    nll_a, nll_b = seed_values(runs, "nll"), seed_values(base_runs, "nll")
+    lm = {"nll": compare_values(nll_a, nll_b) if nll_a and nll_b else None}
+    if any(r[s].get("accuracy") is None for r in (runs, base_runs) for s in seeds):
+        return {"seeds": seeds, "delta_accuracy": None, "ttest": {"p_value": None}, "items": 0, "item_delta": None,
+                "permutation_p": None, "bootstrap": {"ci_low": None, "ci_high": None}, "welch": None,
+                "mann_whitney": None, "tost": None, "answer_nll": None, "steps": None, **lm}
     acc = [float(runs[s]["accuracy"]) for s in seeds]
     base = [float(base_runs[s]["accuracy"]) for s in seeds]
     ttest = paired_ttest(acc, base)
@@ -92,6 +99,7 @@ def compare(
         "tost": acc.get("tost"),
         "answer_nll": compare_values(nll_a, nll_b) if nll_a and nll_b else None,
         "steps": compare_steps(steps_a, steps_b) if steps_a and steps_b else None,
+        **lm,
     }
 
 
@@ -174,7 +182,7 @@ def summarize(cfg: AblationConfig) -> dict[str, Any]:
         control = _control(cfg, v, per_seed)
         row: dict[str, Any] = {"label": control_label(v.label, control), "teacher_control": control,
                                "overrides": v.overrides, "seeds": sorted(per_seed)}
-        for key in ("accuracy", "answer_nll", "cos_sim", "relation_kl", "perplexity", "ce", "kv_loss"):
+        for key in ("accuracy", "answer_nll", "nll", "cos_sim", "relation_kl", "perplexity", "ce", "kv_loss"):
             mean, std, n = mean_std([r[key] for r in per_seed.values()])
             row[key] = {"mean": mean, "std": std, "n": n}
         # attention KL and the selected/other-row split, over teachers and per teacher, mean ± std over seeds
