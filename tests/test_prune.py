@@ -13,7 +13,7 @@ from kvdistill.align.layer_map import load_layer_map
 from kvdistill.cli import main as cli_main
 from kvdistill.config import ConfigError
 from kvdistill.models import config_hash, load_tokenizer, save_random_model
-from kvdistill.prune import LAYER_MAP, MANIFEST, keep_indices, prune, prune_model
+from kvdistill.prune import LAYER_MAP, LAYER_MAP_HIDDEN, MANIFEST, keep_indices, prune, prune_model
 
 GEMMA_TYPES = ["sliding_attention"] * 5 + ["full_attention"]  # Gemma 3's pattern: 5 local layers, then 1 global
 
@@ -96,6 +96,8 @@ def test_prune_cli_end_to_end(tiny_gemma, tmp_path: Path, capsys) -> None:
     # the pruning's layer map: student layer j -> source layer keep[j], read back for these two models
     M = load_layer_map(out / LAYER_MAP, 3, 6, student_hash=config_hash(reloaded), teacher_hash=config_hash(source))
     assert M.tolist() == [[0, 1, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 1]]
+    H = load_layer_map(out / LAYER_MAP_HIDDEN, 3, 6, student_hash=config_hash(reloaded), teacher_hash=config_hash(source))
+    assert H.argmax(1).tolist() == [2, 4, 5]  # each output stands in for the source's before the next kept layer
 
 
 @pytest.mark.parametrize("keep, message", [

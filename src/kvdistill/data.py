@@ -523,12 +523,9 @@ def tokenize_example(
     if ids and tokenizer.eos_token_id is not None and ids[-1] != tokenizer.eos_token_id:
         ids.append(tokenizer.eos_token_id)  # the model learns to stop after the answer
         seg = torch.cat([seg, torch.tensor([ANSWER])])
-    if len(ids) > max_length:
-        warnings.warn(
-            f"an example of {len(ids)} tokens was cut to max_length={max_length}; its answer may be lost "
-            "(raise max_length)",
-            stacklevel=2,
-        )
+    if len(ids) > max_length:  # one message per max_length: Python shows it once, not once per example
+        lost = ("its tail is not learned" if record_format(record) == formats.TEXT else "its answer may be lost")
+        warnings.warn(f"an example was cut to max_length={max_length} tokens; {lost} (raise max_length)", stacklevel=2)
     input_ids = torch.tensor(ids[:max_length], dtype=torch.long)
     seg = seg[:max_length]
     labels = torch.where(seg == PROMPT, torch.tensor(-100), input_ids)

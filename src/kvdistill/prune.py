@@ -4,7 +4,10 @@ The pruned model shares its source's tokenizer, vocabulary, embeddings, final no
 same-vocabulary student of its source from the first step (logit KD reads every row of both heads), and
 its layer `j` starts as the source's layer `keep[j]`: the natural layer map for KV distillation, written
 beside the model as `layer_map.json` (`M[j, keep[j]] = 1`, the format of `kvdistill layer-map`; a run reads
-it as a teacher's `layer_map:` with `layer_map: cka`, the option that reads a layer-map file).
+it as a teacher's `layer_map:` with `layer_map: cka`, the option that reads a layer-map file). For hidden
+states (`key_space: hidden`) the natural map is `layer_map_hidden.json`: layer `j`'s output stands in for
+the source's output after the last layer it dropped before `keep[j + 1]` (the input the next kept layer was
+trained on), the last layer's for the source's last (both after the final norm).
 
 What changes in the config: `num_hidden_layers`, and every per-layer list (a list attribute of
 `num_hidden_layers` entries whose name says `layer`, e.g. Gemma's `layer_types`, SmolLM3's
@@ -39,6 +42,7 @@ from kvdistill.models import config_hash, load_model, load_tokenizer
 EVERY_OTHER = "every_other"
 MANIFEST = "kvdistill_prune.json"  # where the layers came from: the pruned model's layer map onto its source
 LAYER_MAP = "layer_map.json"  # the same as a layer map (student layer j -> source layer keep[j])
+LAYER_MAP_HIDDEN = "layer_map_hidden.json"  # student layer j's output -> the source's at keep[j + 1] - 1
 
 
 def keep_indices(keep: str | Sequence[int], n_layers: int) -> list[int]:
@@ -143,11 +147,13 @@ def prune(model: str | os.PathLike, keep: str | Sequence[int], output_dir: str |
         pruned.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / MANIFEST, {"source": str(model), "source_layers": n_layers, "kept_layers": keep})
-        M = torch.zeros(len(keep), n_layers)  # [L_s, L_t]
-        M[torch.arange(len(keep)), torch.tensor(keep)] = 1.0
-        save_layer_map(tmp / LAYER_MAP, M, provenance={
-            "method": "prune", "source": str(model), "kept_layers": keep,
-            "student_config_hash": config_hash(pruned), "teacher_config_hash": config_hash(source)})
+        ends = [nxt - 1 for nxt in keep[1:]] + [n_layers - 1]  # where each kept layer's span of the source ends
+        for name, cols in ((LAYER_MAP, keep), (LAYER_MAP_HIDDEN, ends)):
+            M = torch.zeros(len(keep), n_layers)  # [L_s, L_t]
+            M[torch.arange(len(keep)), torch.tensor(cols)] = 1.0
+            save_layer_map(tmp / name, M, provenance={
+                "method": "prune", "map": name, "source": str(model), "kept_layers": keep,
+                "student_config_hash": config_hash(pruned), "teacher_config_hash": config_hash(source)})
         if out.is_dir():
             out.rmdir()  # empty (checked above): the rename below needs the name free
         tmp.rename(out)

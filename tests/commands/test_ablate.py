@@ -3,6 +3,7 @@ one end-to-end ablation on the tiny fixtures with the real trainer and evaluator
 
 import copy
 import json
+import math
 import os
 import shutil
 import signal
@@ -1189,3 +1190,43 @@ def test_a_run_dir_wins_over_the_report_and_from_report_is_a_yaml_key(tmp_path):
     assert report["variants"]["kv"]["runs"]["1"] == made["variants"]["kv"]["runs"]["1"]
     assert report["from_report"]["runs"] == {"kv": [0]}
     assert "[5/9] kv seed 1: finished, skipped" in logged and f"[2/9] kv seed 0: from report {committed}" in logged
+
+
+# ----------------------------------------------------------------------------- text data: the held-out LM loss
+
+
+class TextRuns(FakeRuns):
+    """Runs on text records: eval gives no accuracy and no items, only the held-out LM loss (`nll`), the
+    variant's value plus seed noise of ±0.01 (what `kvdistill eval` writes for records without final answers)."""
+
+    def eval(self, model_dir, out_dir, settings):
+        self.evaluated.append(model_dir)
+        variant, seed = Path(model_dir).parent.name, int(Path(model_dir).name.split("_")[1])
+        nll = self.nll[variant] + 0.01 * np.random.default_rng(seed).standard_normal()
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "items.jsonl").write_text("")
+        (out / "summary.json").write_text(json.dumps({"accuracy": None, "ci_low": None, "ci_high": None, "n": 150,
+                                                      "answer_nll": None, "nll": nll, "perplexity": math.exp(nll)}))
+        return {"nll": nll}
+
+
+def test_a_text_ablation_registers_and_tests_the_held_out_lm_loss(tmp_path):
+    """No accuracy anywhere: the registered primary on `nll` is tested on the runs' held-out LM loss (lower is
+    better), the accuracy tests are absent, not failed, and the tables show the loss."""
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
+    abl = _write_yaml(tmp_path / "a.yaml", {
+        "base_config": "train.yaml", "output_dir": str(tmp_path / "out"), "seeds": [0, 1, 2, 3, 4],
+        "hypothesis": "KV lowers the held-out LM loss",
+        "primary": {"comparison": ["kv", "baseline"], "metric": "nll", "test": "paired_t"},
+        "variants": ["baseline", {"name": "kv", "overrides": {"kv_weight": 0.1}}]})
+    fake = TextRuns({}, nll={"baseline": 5.30, "kv": 5.20})
+    report = run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    kv = report["variants"]["kv"]
+    assert kv["accuracy"]["n"] == 0 and kv["nll"]["mean"] == pytest.approx(5.20, abs=0.02)
+    assert kv["vs_baseline"]["delta_accuracy"] is None and kv["vs_baseline"]["nll"]["welch"]["p_value"] < 0.01
+    result = report["primary"]["results"]["baseline"]
+    assert result["mean_diff"] == pytest.approx(-0.10, abs=0.02) and result["p_value"] < 0.01
+    assert "held-out LM loss" in report["primary"]["verdict"]
+    md = (tmp_path / "out" / "ablation.md").read_text()
+    assert "| held-out LM loss |" in md and f"{kv['runs']['0']['nll']:.4f}" in md

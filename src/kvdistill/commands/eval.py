@@ -193,9 +193,9 @@ def run_eval(
     check_lengths(model, tokenizer, records, model_dir, str(data), kwargs)
     what = (f"{len(records)} questions" if finals else
             f"{len(records)} {record_format(records[0])} records: no final answers, the held-out LM loss only")
-    log(f"eval: {model_dir} on {data}:{split} ({what}, device {device}); prompt "
-        f"{kwargs.get('template') or DEFAULT_TEMPLATE!r}, chat template {kwargs['chat_template']}"
-        + (" (as the run was trained)" if "chat_template" in trained else ""))
+    prompt = f"; prompt {kwargs.get('template') or DEFAULT_TEMPLATE!r}" if finals else ""  # text has no prompt
+    log(f"eval: {model_dir} on {data}:{split} ({what}, device {device}){prompt}, chat template "
+        f"{kwargs['chat_template']}" + (" (as the run was trained)" if "chat_template" in trained else ""))
     result = evaluate_model(model, tokenizer, records, **{"answer_nll": True, **kwargs})
     result.update(
         {
