@@ -230,11 +230,11 @@ def tokenize_completion(
         ids, ends, seg = token_segments(tokenizer, f, chat)
     ends = f.shared_ends(ends)
     ids = torch.tensor(ids, dtype=torch.long)  # [T]
-    if record["finished"] and not sampled and tokenizer.eos_token_id is not None:
+    eos = record["finished"] and (sampled or tokenizer.eos_token_id is not None)  # the row ends with its EOS
+    if eos and not sampled:  # sampled ids hold the EOS the model chose
         ids, seg = torch.cat([ids, ids.new_tensor([tokenizer.eos_token_id])]), torch.cat([seg, seg.new_tensor([PROMPT])])
         ends = torch.cat([ends, ends.new_tensor([NO_CHAR])])
-    if record["finished"] and len(seg):
-        # an empty completion's EOS is still the student's choice, so it is a target too (reasoning)
+    if eos:  # an empty completion's EOS is still the student's choice, so it is a target too (reasoning)
         seg[-1] = max(int(seg[-2]) if len(seg) > 1 else PROMPT, REASONING)
     ids, seg = ids[:max_length], seg[:max_length]
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.masked_fill(seg == PROMPT, -100),

@@ -371,6 +371,7 @@ class KVAligner(nn.Module):
         Otherwise, and for the other projectors, the stages run one after another.
         """
         out, bags = [], None
+        used, src = self._src_layers.unique(return_inverse=True)  # [L_u], [L_m, k] indices into used
         for x, which in ((teacher.keys, "key"), (teacher.values, "value")):
             proj = self.k_proj if which == "key" else self.v_proj
             if not (self.fused and self.mode == "flat" and isinstance(proj, LinearProjector)):
@@ -378,7 +379,6 @@ class KVAligner(nn.Module):
                 continue
             x = x.detach().to(self.layer_map.device)
             L_t, B, H, T_t, _ = x.shape
-            used, src = self._src_layers.unique(return_inverse=True)  # [L_u], [L_m, k] indices into used
             first = proj.proj.groups == 1 and len(used) * T_t < len(self.layer_index) * idx.lo.shape[1]
             if first:  # a time-major table of the used layers, heads concatenated: [L_u*B*T_t, H*D]
                 x = time_major(x if len(used) == L_t else x.index_select(0, used)).reshape(-1, H * x.shape[-1])

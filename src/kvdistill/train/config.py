@@ -22,7 +22,7 @@ from kvdistill.align.aligner import MODES as HEAD_MODES
 from kvdistill.align.compress import COMPRESSIONS
 from kvdistill.align.projectors import PROJECTOR_KINDS as PROJECTORS
 from kvdistill.align.time import TIME_MODES
-from kvdistill.cache import SEGMENT_NAMES
+from kvdistill.cache import KEY_SPACES, SEGMENT_NAMES
 from kvdistill.card import SECTIONS
 from kvdistill.config import (
     ConfigError,
@@ -452,7 +452,7 @@ class KVDistillConfig(TrainingArguments):
             "dataset_format": DATASET_FORMATS,
             "time_mode": TIME_MODES, "layer_map": LAYER_MAPS, "head_mode": HEAD_MODES, "projector": PROJECTORS,
             "kv_loss": KV_LOSSES, "fusion": FUSIONS, "logit_kd_kind": LOGIT_KD, "direction": DIRECTIONS,
-            "key_space": ("auto", "post_rope", "pre_rope", "hidden"), "projector_init": ("xavier", "orthogonal", "identity"),
+            "key_space": ("auto", *KEY_SPACES), "projector_init": ("xavier", "orthogonal", "identity"),
             "teacher_control": TEACHER_CONTROLS, "teacher_compression": (*COMPRESSIONS, "none"),
             "on_nonfinite": ON_NONFINITE, "capture_dtype": ("fp32", "bf16", "fp16"), "capture_layers": ("all", "mapped"),
             "capture_compression": COMPRESSIONS, "oracle_code": ORACLE_CODES,

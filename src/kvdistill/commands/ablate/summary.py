@@ -66,8 +66,8 @@ def compare(
     held-out LM loss (`nll`) tests and, for steps to the threshold, log-rank and Mann–Whitney. Runs on
     records without final answers (text) have no accuracy: its tests are then None."""
     seeds = sorted(set(runs) & set(base_runs))
-    nll_a, nll_b = seed_values(runs, "nll"), seed_values(base_runs, "nll")
-    lm = {"nll": compare_values(nll_a, nll_b) if nll_a and nll_b else None}
+    lm_a, lm_b = seed_values(runs, "nll"), seed_values(base_runs, "nll")  # held-out LM loss
+    lm = {"nll": compare_values(lm_a, lm_b) if lm_a and lm_b else None}
     if any(r[s].get("accuracy") is None for r in (runs, base_runs) for s in seeds):
         return {"seeds": seeds, "delta_accuracy": None, "ttest": {"p_value": None}, "items": 0, "item_delta": None,
                 "permutation_p": None, "bootstrap": {"ci_low": None, "ci_high": None}, "welch": None,
