@@ -94,7 +94,7 @@ class WriteError(OSError):
     and the space free there; the half-written files were removed before it was raised."""
 
     def __init__(self, path: str | os.PathLike, nbytes: int | None, reason: str, code: int | None = None):
-        self.path, self.nbytes, self.reason = Path(path), nbytes, reason
+        self.path, self.nbytes, self.reason, self.code = Path(path), nbytes, reason, code
         full = code is None or code in _FULL_ERRNOS
         what = "no space left on the device" if full else "cannot write"
         size = f"{_mb(nbytes)} to write, " if nbytes else ""
@@ -104,6 +104,11 @@ class WriteError(OSError):
 
     def __str__(self) -> str:
         return self.strerror
+
+    def __reduce__(self):
+        # OSError pickles as cls(errno, strerror, filename): an ablation worker's WriteError would reach
+        # its parent as a TypeError of unpickling, hiding the full disk behind a broken process pool
+        return WriteError, (self.path, self.nbytes, self.reason, self.code)
 
 
 def _mb(n: int | None) -> str:

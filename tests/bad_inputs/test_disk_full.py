@@ -11,6 +11,7 @@ student's `model.safetensors` is ~114 KB, its `optimizer.pt` ~245 KB, a teacher 
 from __future__ import annotations
 
 import errno
+import pickle
 import resource
 import shutil
 from contextlib import contextmanager
@@ -121,6 +122,14 @@ def test_each_library_s_failed_write_becomes_one_write_error(write, reason, tmp_
     assert caught.value.reason == reason and caught.value.nbytes == 200_000
     assert f"writing {tmp_path / 'run'} failed ({reason}; 0.2 MB to write" in str(caught.value)
     assert not (tmp_path / "run").exists()  # the dir the block made is gone with its half file
+
+
+def test_a_write_error_pickles_whole(tmp_path):
+    # an ablation worker's error reaches its parent pickled: it must arrive as the same WriteError
+    err = WriteError(tmp_path / "run", 5_000_000, "File too large", errno.EFBIG)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is WriteError and (back.path, back.nbytes, back.reason) == (err.path, 5_000_000, "File too large")
+    assert back.errno == errno.EFBIG and str(back) == str(err)
 
 
 def test_a_failed_write_into_an_existing_dir_removes_only_what_it_made(tmp_path):

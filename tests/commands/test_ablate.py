@@ -5,6 +5,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from kvdistill.commands.ablate import (
 )
 from kvdistill.config import ConfigError
 from kvdistill.lab.prereg import METRIC_NAMES, parse_primary
+from kvdistill.report import fmt_signed
 
 
 def test_builtin_variants_are_valid_train_overrides():
@@ -234,6 +236,26 @@ def test_failed_run_raises_or_is_reported(tmp_path):
     assert "Failed runs" in (tmp_path / "o" / "ablation.md").read_text()
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_keep_checkpoints_false_removes_a_finished_runs_checkpoints_only(tmp_path, keep):
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
+    abl = _write_yaml(tmp_path / "a.yaml", {"base_config": str(tmp_path / "train.yaml"),
+                                             "output_dir": str(tmp_path / "o"), "seeds": [0],
+                                             "variants": ["baseline"], "keep_checkpoints": keep})
+    fake = FakeRuns({"baseline": 0.3})
+
+    def train(argv):  # a run that saved a checkpoint and its final model
+        out = Path(argv[1]).parent
+        (out / "checkpoint-10").mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"final")
+        return fake.train(argv)
+
+    run_ablation(load_ablation_config(abl), train_fn=train, eval_fn=fake.eval, log=lambda s: None)
+    run = tmp_path / "o" / "runs" / "baseline" / "seed_0"
+    assert (run / "checkpoint-10").exists() == keep
+    assert (run / "model.safetensors").exists() and (run / "eval" / "summary.json").exists()
+
+
 def test_failed_capture_fails_only_the_runs_that_read_it(tmp_path, monkeypatch):
     _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}]})
     abl = _write_yaml(tmp_path / "a.yaml", {
@@ -420,7 +442,7 @@ def test_controls_references_and_the_primary_comparison(tmp_path):
                                      "delta_accuracy": -report["primary"]["delta_accuracy"]}}
     assert "**significant, in the reference's favour**" in ablate.render.render_markdown(flipped)
     assert "## Against the controls" in md and "| +Relation | +Relation, shuffled teacher |" in md
-    assert "| Privileged KV, no rationale | privileged_kv_untrained | not run |" in md
+    assert re.search(r"\| Privileged KV, no rationale \| privileged_kv_untrained \|( – \|)+ not run \|", md)
     # a control not run is no verdict: never "does not beat its reference and all controls" for it
     verdict = next(line for line in md.splitlines() if line.startswith("- Privileged KV, no rationale:"))
     assert verdict.startswith("- Privileged KV, no rationale: not judged against all controls (privileged_kv_untrained, "
@@ -985,7 +1007,7 @@ def test_evidence_configs_load_and_their_committed_reports_render():
         report = json.loads(path.read_text())
         report.pop("environments", None)  # older reports stored them as strings
         md = ablate.render.render_markdown(report)
-        assert "| Welch p (seeds) |" in md and "## Runs" in md
+        assert "| variant | seeds |" in md and "## Runs" in md
 
 
 # ----------------------------------------------------------------------------- attention KL and the row split
@@ -1053,8 +1075,8 @@ def test_report_compares_teacher_and_control_on_the_selected_rows(tmp_path):
     assert f"| {control['label']} | u | attention | 9.0000 ± 0.0000 | 8.0000 ± 0.0000 |" in split
     # the final-agreement column shows the attention KL of a run without a relation KL
     lines = md.splitlines()
-    assert any(ln.startswith(f"| {right['label']} | 2 | ") and "| – | 0.3000 ± 0.0000 | 3.00" in ln for ln in lines)
-    assert any(ln.startswith(f"| {right['label']} | 1 | ") and "| – | – | 0.3000 | 1.000 |" in ln for ln in lines)
+    assert any(ln.startswith(f"| {right['label']} | 2 | ") and "| 0.275 ± 0.014 | 0.3000 ± 0.0000 | 3.00" in ln for ln in lines)
+    assert any(ln.startswith(f"| {right['label']} | 1 | ") and "| 200 | 0.3000 | 1.000 |" in ln for ln in lines)
     assert json.loads((tmp_path / "out" / "ablation.json").read_text())["variants"]["right"]["agreement"]
 
 
@@ -1230,3 +1252,7 @@ def test_a_text_ablation_registers_and_tests_the_held_out_lm_loss(tmp_path):
     assert "held-out LM loss" in report["primary"]["verdict"]
     md = (tmp_path / "out" / "ablation.md").read_text()
     assert "| held-out LM loss |" in md and f"{kv['runs']['0']['nll']:.4f}" in md
+    # the report speaks of what the runs have: the LM loss's paired Δ, no accuracy column, sentence or plot
+    assert f"| {fmt_signed(kv['vs_baseline']['nll']['paired_t']['mean_diff'])} |" in md
+    assert "accuracy" not in md.lower() and "ablation_nll.png" in md
+    assert (tmp_path / "out" / "ablation_nll.png").read_bytes()[:4] == b"\x89PNG"

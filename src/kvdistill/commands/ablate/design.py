@@ -239,6 +239,9 @@ class AblationConfig:
     capture: bool = option(False, "Capture each variant's teachers once (`kvdistill capture`, in out_dir/captures) "
                            "and train every seed from it; fp32 captures give the live runs' losses.")
     keep_going: bool = option(False, "Log a failed run and go on with the others.")
+    keep_checkpoints: bool = option(True, "Keep a finished run's checkpoint-N dirs (its resume state; a later "
+                                    "sweep may start from one). false: removed once the run is evaluated, its "
+                                    "final model kept (each checkpoint of a 135M student holds ~0.9 GB).")
     report_only: bool = option(False, "Train nothing; rebuild the report from finished runs.")
     register_only: bool = option(False, "Write the pre-registration record and exit, running nothing: a design "
                                  "registered first can then take runs made elsewhere with the same settings (a "

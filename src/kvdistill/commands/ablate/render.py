@@ -50,6 +50,21 @@ def _equals(cmp_: Mapping[str, Any] | None) -> bool:
     return bool(cmp_ and (cmp_.get("tost") or {}).get("equivalent"))
 
 
+def _table(header: list[str], body: list[list[str]], keep: int = 1) -> list[str]:
+    """A Markdown table without the columns no row has a value in (past the first `keep`): a sweep on the
+    held-out LM loss has no accuracy, one without a KV loss no cos-sim."""
+    cols = [j for j in range(len(header)) if j < keep or any(r[j] not in ("–", "") for r in body)]
+    return ["| " + " | ".join(header[j] for j in cols) + " |", "|" + "---|" * len(cols),
+            *("| " + " | ".join(r[j] for j in cols) + " |" for r in body)]
+
+
+def _lm_loss_cells(cmp_: Mapping[str, Any] | None) -> list[str]:
+    """Δ held-out LM loss vs the reference, its paired-t 95 % CI and p (– for a sweep without it)."""
+    t = ((cmp_ or {}).get("nll") or {}).get("paired_t") or {}
+    ci = "–" if t.get("ci_low") is None else f"[{t['ci_low']:+.3f}, {t['ci_high']:+.3f}]"
+    return [fmt_signed(t.get("mean_diff")), ci, fmt_p(t.get("p_value"))]
+
+
 def _registered_cell(spec: Mapping[str, Any] | None, result: Mapping[str, Any] | None) -> str:
     """The registered test of one comparison: `Δ answer NLL -0.948, p 3.6e-16` (– where none was run)."""
     if not spec or not result:
@@ -75,6 +90,7 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
              f"Base config `{report['base_config']}`; seeds {report['seeds']}; baseline "
              f"**{base_label}**; {report.get('threads', 1)} torch thread(s) per run.", ""]
     prim = report.get("primary")
+    has_acc = any((r.get("accuracy") or {}).get("n") for r in rows.values())
     if prim:
         delta, tp, wp, pp, ci = _cmp_cells(prim)
         verdict = ("**not significant**" if not _significant(prim) else "**significant**" if _beats(prim)
@@ -92,24 +108,21 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
             *(line for _, v in stated for line in (f"{claim}, the registered metric ({METRIC_NAMES[metric]}): {v}.",
                                                    "")),
             f"The {'first' if len(refs) > 1 else 'same'} pair on accuracy (not the registered test):"]
-        lines += ["## Primary comparison (named in the config before the run)", "", *registered,
-                  f"{pair}: Δ accuracy {delta}, paired t-test p {tp} (Welch p {wp}), permutation p {pp}, bootstrap "
-                  f"95 % CI {ci} — {verdict} at p < 0.05 on both paired tests.", ""]
-    lines += [
-        "| variant | seeds | accuracy | cos-sim | relation / attention KL | perplexity | held-out LM loss | reference | Δ acc "
-        "| t-test p (seeds) "
-        "| Welch p (seeds) | permutation p (items) | bootstrap 95 % CI of Δ (items) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        accuracy = [f"{pair}: Δ accuracy {delta}, paired t-test p {tp} (Welch p {wp}), permutation p {pp}, bootstrap "
+                    f"95 % CI {ci} — {verdict} at p < 0.05 on both paired tests.", ""]
+        lines += ["## Primary comparison (named in the config before the run)", "",
+                  *(registered + accuracy if has_acc else registered[:-1])]
+    body = []
     for row in rows.values():
         cmp_ = row.get("vs_baseline")
-        cells = _cmp_cells(cmp_) if cmp_ else ["–"] * 5
         ref = label.get(row.get("reference"), "–") if cmp_ else "–"
-        lines.append(
-            f"| {row['label']} | {len(row['seeds'])} | {_pm(row['accuracy'])} | {_pm(row['cos_sim'])} "
-            f"| {_pm(_kl(row), 4)} | {_pm(row['perplexity'], 2)} | {_pm(row.get('nll'), 4)} | {ref} | "
-            + " | ".join(cells) + " |"
-        )
+        body.append([row["label"], str(len(row["seeds"])), _pm(row["accuracy"]), _pm(row["cos_sim"]),
+                     _pm(_kl(row), 4), _pm(row["perplexity"], 2), _pm(row.get("nll"), 4), ref,
+                     *(_cmp_cells(cmp_) if cmp_ else ["–"] * 5), *_lm_loss_cells(cmp_)])
+    lines += _table(["variant", "seeds", "accuracy", "cos-sim", "relation / attention KL", "perplexity",
+                     "held-out LM loss", "reference", "Δ acc", "t-test p (seeds)", "Welch p (seeds)",
+                     "permutation p (items)", "bootstrap 95 % CI of Δ (items)", "Δ held-out LM loss",
+                     "its 95 % CI (paired t)", "its paired t p"], body, keep=2)
     lines += render_row_split(rows)
     controlled = {n: r for n, r in rows.items() if r.get("controls")}
     if controlled:
@@ -118,13 +131,13 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
                                                               for c in r["comparisons"].values()) else None
         how = (f"on the registered {METRIC_NAMES[spec['metric']]} by its {spec['test'].replace('_', ' ')} test "
                f"at alpha {spec['alpha']:g}" if spec else "at p < 0.05 on both paired tests of accuracy")
+        kept = any(_invariance(report, c) for r in controlled.values() for c in r["controls"])
         lines += ["", "## Against the controls", "",
                   "A KV signal counts as knowledge transfer only if it beats its reference **and** every "
-                  f"control (untrained teacher, shuffled teacher) {how}; a control that keeps the meaning "
-                  f"(permuted names) should instead equal it (TOST on accuracy within ±{report.get('margin')}).", "",
-                  "| variant | compared with | Δ acc | t-test p | Welch p | permutation p | bootstrap 95 % CI "
-                  "| registered test | as it should |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  f"control (untrained teacher, shuffled teacher) {how}"
+                  + (f"; a control that keeps the meaning (permuted names) should instead equal it (TOST on "
+                     f"accuracy within ±{report.get('margin')})." if kept else "."), ""]
+        body = []
 
         def meets(ref: str, cmp_: Mapping[str, Any] | None) -> bool:
             if _invariance(report, ref):
@@ -135,12 +148,13 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
             for ref in [row["reference"], *row["controls"]]:
                 cmp_ = row["comparisons"].get(ref)
                 if cmp_ is None:
-                    lines.append(f"| {row['label']} | {label.get(ref, ref)} | not run | | | | | | |")
+                    body.append([row["label"], label.get(ref, ref), *["–"] * 6, "not run"])
                     continue
                 what = "equal" if _invariance(report, ref) else "beats it"
-                lines.append(f"| {row['label']} | {label[ref]} | " + " | ".join(_cmp_cells(cmp_))
-                             + f" | {_registered_cell(spec, cmp_.get('registered'))}"
-                             + f" | {what}: {'yes' if meets(ref, cmp_) else 'no'} |")
+                body.append([row["label"], label[ref], *_cmp_cells(cmp_), _registered_cell(spec, cmp_.get("registered")),
+                             f"{what}: {'yes' if meets(ref, cmp_) else 'no'}"])
+        lines += _table(["variant", "compared with", "Δ acc", "t-test p", "Welch p", "permutation p",
+                         "bootstrap 95 % CI", "registered test", "as it should"], body, keep=2)
         lines.append("")
         for row in controlled.values():
             refs = [row["reference"], *row["controls"]]
@@ -156,20 +170,21 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
             lines.append(f"- {row['label']}: {verdict}.")
     lines += render_continuous(report)
     n_seeds = min((len(r["seeds"]) for r in report["variants"].values()), default=0)
-    lines += [
-        "",
+    lines += ["", (
         "Accuracy and cos-sim are mean ± sample std over seeds (cos-sim: final value of the training "
         "log; – for runs without a KV loss). The t-test pairs the per-seed accuracies by seed; Welch's "
         "does not pair them (the better test when paired seeds are not correlated); the "
         "permutation (sign-flip) test and the bootstrap pool per-item correctness over the common "
         f"seeds, paired by (seed, item), with {report['n_resamples']} resamples. The seed-level test "
         "carries the training variance; the item-level tests only the test-set variance, so with few "
-        "seeds they overstate certainty.",
-    ]
+        "seeds they overstate certainty." if has_acc else
+        "Held-out LM loss (nats per target token of the test split), perplexity and cos-sim are mean ± sample std "
+        "over seeds (cos-sim: final value of the training log). Δ is each variant minus its reference, paired by "
+        "seed (same init and data order), with the paired t test's 95 % CI and p.")]
     if n_seeds < 5:
         lines += [
             "",
-            f"**Note:** only {n_seeds} seed(s) per variant; student accuracy swings widely "
+            f"**Note:** only {n_seeds} seed(s) per variant; a student's results swing widely "
             "between seeds (SPEC §7), use ≥ 5 seeds before drawing conclusions.",
         ]
     if report.get("failures"):
@@ -183,24 +198,16 @@ def render_markdown(report: Mapping[str, Any], plots: Mapping[str, str] | None =
                   f"hash): {listed}. They have no per-step metrics, so the training curves leave them out"
                   + (f"; {no_items} of them have no per-item record, so the item-level tests (permutation, bootstrap) "
                      "pool only the seeds whose runs have one" if no_items else "") + "."]
-    lines += [
-        "",
-        "## Runs",
-        "",
-        "| variant | seed | accuracy | 95 % CI | n | answer NLL | cos-sim | relation / attention KL | CE "
-        "| perplexity | held-out LM loss | steps "
-        "| threshold at | train s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in report["variants"].values():
-        for seed, r in row["runs"].items():
-            lines.append(
-                f"| {row['label']} | {seed} | {fmt_num(r['accuracy'])} | [{fmt_num(r['ci_low'])}, {fmt_num(r['ci_high'])}] "
-                f"| {r['n']} | {fmt_num(r.get('answer_nll'))} | {fmt_num(r['cos_sim'])} "
-                f"| {fmt_num(_kl(r), 4)} | {fmt_num(r['ce'])} | {fmt_num(r['perplexity'], 2)} | {fmt_num(r.get('nll'), 4)} "
-                f"| {r['global_step'] if r['global_step'] is not None else '–'} | {fmt_reached(r.get('steps'))} "
-                f"| {fmt_num(r.get('train_runtime'), 0)} |"
-            )
+    body = [[row["label"], str(seed), fmt_num(r["accuracy"]),
+             "–" if r["accuracy"] is None else f"[{fmt_num(r['ci_low'])}, {fmt_num(r['ci_high'])}]", str(r["n"]),
+             fmt_num(r.get("answer_nll")), fmt_num(r["cos_sim"]), fmt_num(_kl(r), 4), fmt_num(r["ce"]),
+             fmt_num(r["perplexity"], 2), fmt_num(r.get("nll"), 4),
+             str(r["global_step"]) if r["global_step"] is not None else "–", fmt_reached(r.get("steps")),
+             fmt_num(r.get("train_runtime"), 0)]
+            for row in report["variants"].values() for seed, r in row["runs"].items()]
+    lines += ["", "## Runs", "", *_table(["variant", "seed", "accuracy", "95 % CI", "n", "answer NLL", "cos-sim",
+                                          "relation / attention KL", "CE", "perplexity", "held-out LM loss", "steps",
+                                          "threshold at", "train s"], body, keep=2)]
     lines += ["", "## Variants", ""]
     for name, row in report["variants"].items():
         lines.append(f"- **{row['label']}** (`{name}`): `{json.dumps(row['overrides'], sort_keys=True)}`")
@@ -251,8 +258,8 @@ def _metric(row: Mapping[str, Any], key: str) -> float | None:
 
 
 def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]:
-    """Write `ablation.md`, `ablation.json`, `ablation_accuracy.png`, `ablation_curves.png` and, with a
-    `threshold`, `ablation_survival.png`."""
+    """Write `ablation.md`, `ablation.json`, `ablation_accuracy.png` (`ablation_nll.png` for a sweep on the
+    held-out LM loss), `ablation_curves.png` and, with a `threshold`, `ablation_survival.png`."""
     from kvdistill.plots import plot_bars_with_errors, plot_run_curves, plot_survival
 
     out = Path(cfg.output_dir)
@@ -261,17 +268,21 @@ def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]
     rows = report["variants"]
     labels = [r["label"] for r in rows.values()]
     plots: dict[str, str] = {}
-    acc_png = plot_bars_with_errors(
+    # the bars show accuracy, or the held-out LM loss of a sweep that has no accuracy (text data)
+    key = "accuracy" if any((r.get("accuracy") or {}).get("n") for r in rows.values()) or \
+        not any((r.get("nll") or {}).get("n") for r in rows.values()) else "nll"
+    name = METRIC_NAMES[key]
+    bars_png = plot_bars_with_errors(
         labels,
-        [r["accuracy"]["mean"] for r in rows.values()],
-        [r["accuracy"]["std"] for r in rows.values()],
-        out / "ablation_accuracy.png",
-        points=[[r["runs"][s]["accuracy"] for s in r["runs"]] for r in rows.values()],
+        [r[key]["mean"] for r in rows.values()],
+        [r[key]["std"] for r in rows.values()],
+        out / f"ablation_{key}.png",
+        points=[[r["runs"][s][key] for s in r["runs"]] for r in rows.values()],
         error_label="± 1 sd over seeds",
-        ylabel="accuracy (mean ± std over seeds)",
-        title=f"Ablation {out.name}: accuracy",
+        ylabel=f"{name} (mean ± std over seeds)",
+        title=f"Ablation {out.name}: {name}",
     )
-    plots["accuracy"] = acc_png.name
+    plots[name] = bars_png.name
     panels: dict[str, dict[str, list[tuple[list[float], list[float]]]]] = {}
     for name, per_seed in curves_raw.items():
         for metrics in per_seed.values():
@@ -282,7 +293,7 @@ def write_report(report: dict[str, Any], cfg: AblationConfig) -> dict[str, Path]
                     panels.setdefault(key, {}).setdefault(rows[name]["label"], []).append(
                         (list(steps), list(vals))
                     )
-    paths = {"accuracy_png": acc_png}
+    paths = {"bars_png": bars_png}
     if panels:
         paths["curves_png"] = plot_run_curves(panels, out / "ablation_curves.png",
                                               title=f"Ablation {out.name}: training curves")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import multiprocessing
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -32,6 +33,7 @@ from kvdistill.runs import (
     EVAL_SUMMARY,
     TRAIN_SUMMARY,
     check_reuse,
+    checkpoints,
     evaluated,
     trained,
 )
@@ -169,8 +171,9 @@ def _pool(workers: int, threads: int) -> ProcessPoolExecutor:
 
 
 def train_and_evaluate(rdir: str, settings: Mapping[str, Any], train_fn: TrainFn | None = None,
-                       eval_fn: EvalFn | None = None) -> None:
-    """Train one run from its `train_config.yaml` (unless finished) and evaluate it into `eval/`."""
+                       eval_fn: EvalFn | None = None, keep_checkpoints: bool = True) -> None:
+    """Train one run from its `train_config.yaml` (unless finished) and evaluate it into `eval/`; then,
+    unless `keep_checkpoints`, remove its checkpoint dirs (a finished run is never resumed)."""
     train_fn, eval_fn, path = train_fn or _default_train, eval_fn or _default_eval, Path(rdir)
     if not trained(path):
         # a run killed mid-training goes on from its newest complete checkpoint (none: from the start)
@@ -182,6 +185,8 @@ def train_and_evaluate(rdir: str, settings: Mapping[str, Any], train_fn: TrainFn
     eval_fn(str(path), str(path / EVAL_DIR), settings)
     if not evaluated(path / EVAL_DIR):
         raise RuntimeError(f"evaluation wrote no {path / EVAL_DIR / EVAL_SUMMARY}")
+    for ckpt in [] if keep_checkpoints else checkpoints(path):
+        shutil.rmtree(ckpt)
 
 
 @dataclass
@@ -200,8 +205,8 @@ class _Plan:
     earlier one), each by the first run that reads it; and its runs, each free to start once its
     capture is made."""
 
-    def __init__(self, runs: list[_Job], keep_going: bool, log: Callable[[str], None]):
-        self.runs, self.keep_going, self.log = runs, keep_going, log
+    def __init__(self, runs: list[_Job], keep_going: bool, keep_checkpoints: bool, log: Callable[[str], None]):
+        self.runs, self.keep_going, self.keep_checkpoints, self.log = runs, keep_going, keep_checkpoints, log
         self.captures = list(dict.fromkeys(j.capture for j in runs if j.capture is not None))
         self.reader = {c: next(j.rdir for j in runs if j.capture == c) for c in self.captures}
         self.made: dict[str, dict] = {}  # capture dir -> its settings (what a later capture links by)
@@ -252,7 +257,7 @@ def _run_here(plan: _Plan, threads: int, train_fn: TrainFn, eval_fn: EvalFn) -> 
         while (job := plan.next_run()) is not None:
             plan.log(f"{job.tag}: training + evaluating -> {job.rdir}")
             try:
-                train_and_evaluate(job.rdir, job.settings, train_fn, eval_fn)
+                train_and_evaluate(job.rdir, job.settings, train_fn, eval_fn, plan.keep_checkpoints)
                 plan.done(job.tag, None)
             except Exception as err:
                 plan.done(job.tag, err, traceback.format_exc())
@@ -274,7 +279,8 @@ def _run_pool(plan: _Plan, workers: int, threads: int) -> None:
                     capture = captures.pop(0)  # `made` copied now: the pool pickles it later
                     running[pool.submit(make_capture, plan.reader[capture], dict(plan.made))] = ("capture", capture)
                 elif (job := plan.next_run()) is not None:
-                    running[pool.submit(train_and_evaluate, job.rdir, job.settings)] = ("run", job)
+                    running[pool.submit(train_and_evaluate, job.rdir, job.settings, None, None,
+                                        plan.keep_checkpoints)] = ("run", job)
                 else:
                     break
             if not running:
@@ -346,7 +352,7 @@ def run_ablation(
         todo.append(_Job(tag, str(rdir), eval_settings_for(cfg, train_cfg),
                          None if done or capture is None else str(capture)))
 
-    plan = _Plan(todo, cfg.keep_going, log)
+    plan = _Plan(todo, cfg.keep_going, cfg.keep_checkpoints, log)
     if cfg.workers == 1 or len(todo) <= 1:
         _run_here(plan, cfg.threads, train_fn, eval_fn)
     else:
