@@ -364,12 +364,18 @@ def format_example(
     template: str = DEFAULT_TEMPLATE,
     tokenizer: Any = None,
     rationale_field: str | None = None,
+    own_template: str | None = None,
 ) -> Formatted:
     """Format a question/answer record as prompt + " " + rationale + "\\n#### " + final.
 
     `rationale_field` names a column with another rationale (e.g. a teacher's own chain of
     thought) to use instead of the reference one; its `####` final answer wins if it has one,
     and a text without `####` is all rationale (the reference final answer stays).
+
+    `own_template`, a prompt template one reader (a teacher) has instead of `template` (e.g. with a
+    few-shot prefix), is placed as a chat template's prompt is: `shared` maps its question and all after
+    the prompt onto the `template` text, its own characters are `UNSHARED`. Under a chat template the
+    user turn holds it filled in.
 
     The other formats (docs/data.md): prompt/completion is `prompt + completion` (the completion is the
     answer segment), text is all answer, and a conversation is `tokenizer`'s chat template if it has one
@@ -390,7 +396,13 @@ def format_example(
         # split_answer reads a marker-less text as a final answer; here it is a bare chain of thought
         rationale, final = split_answer(alt) if ANSWER_MARKER in alt else (alt.strip(), final)
     question = str(record["question"])
-    prompt, plain = format_prompt(question, template, tokenizer), format_prompt(question, template)
+    if own_template is None:
+        prompt = format_prompt(question, template, tokenizer)
+    elif _has_template(tokenizer):
+        prompt = format_prompt(own_template.format(question=question), template, tokenizer)
+    else:
+        prompt = own_template.format(question=question)
+    plain = format_prompt(question, template)
     reasoning = f" {rationale}" if rationale else ""
     text = f"{prompt}{reasoning}\n{ANSWER_MARKER} {final}"
     shared = None if prompt == plain else shared_chars(prompt, plain, question, len(text))
@@ -426,7 +438,7 @@ def shared_chars(prompt: str, plain: str, question: str, n: int) -> Tensor:
     """`[n]` index in the plain-prompt text of every character of a text whose prompt is `prompt` (a chat
     template's) instead of `plain`: the question and all after the prompt map across, the rest is UNSHARED."""
     shared = torch.full((n,), UNSHARED, dtype=torch.long)
-    q, q_plain = prompt.find(question), plain.find(question)
+    q, q_plain = prompt.rfind(question), plain.rfind(question)  # the last: after a reader's few-shot prefix
     if q >= 0 and q_plain >= 0:  # a template that rewrites the question shares none of it
         shared[q : q + len(question)] = torch.arange(q_plain, q_plain + len(question))
     shared[len(prompt) :] = torch.arange(len(plain), len(plain) + n - len(prompt))
@@ -469,25 +481,33 @@ def end_segments(f: Formatted, ends: Tensor) -> Tensor:
 
 
 def prompt_reads(student: Any, teachers: Mapping[str, Any], template: str = DEFAULT_TEMPLATE,
-                 use_chat_template: bool = False, example: Mapping[str, Any] | None = None) -> str:
+                 use_chat_template: bool = False, example: Mapping[str, Any] | None = None,
+                 own_templates: Mapping[str, str] | None = None) -> str:
     """One line naming the prompt the student and each teacher read (`teachers`: name -> tokenizer, None for
     one that reads the student's tokens). Under `use_chat_template` each reader takes its own chat template
     if it has one and `template` otherwise; their tokens are paired on the characters they share.
     `example`, one record of the data, says its format (question/answer when None): a conversation takes
-    each reader's chat template whatever `use_chat_template` says, other formats are read as given."""
+    each reader's chat template whatever `use_chat_template` says, other formats are read as given.
+    `own_templates`: teacher name -> the prompt template it reads instead of `template` (`format_example`)."""
     fallback = f"prompt_template {template!r}"
     if example is not None and formats.is_conversational(example):
         use_chat_template, fallback = True, "the plain rendering ('Role: content' lines)"
     elif example is not None and record_format(example) != formats.QUESTION_ANSWER:
         return f"prompts: every reader reads the {record_format(example)} records' text as given"
 
-    def reads(tok: Any) -> str:
+    own_templates = own_templates or {}
+
+    def reads(tok: Any, name: str | None = None) -> str:
+        own = own_templates.get(name)
         if use_chat_template and getattr(tok, "chat_template", None):
-            return "its chat template"
+            return "its chat template" + (f", its user turn its own template {own!r}" if own else "")
+        if own:
+            return f"its own template {own!r} (its text outside the question pairs with no student token)"
         return fallback + (" (it has no chat template)" if use_chat_template else "")
 
     parts = [f"student reads {reads(student)}"]
-    parts += [f"teacher {n} reads " + ("the student's tokens" if tok is None else reads(tok)) for n, tok in teachers.items()]
+    parts += [f"teacher {n} reads " + ("the student's tokens" if tok is None else reads(tok, n))
+              for n, tok in teachers.items()]
     return "prompts: " + "; ".join(parts)
 
 
@@ -498,8 +518,9 @@ def tokenize_example(
     template: str = DEFAULT_TEMPLATE,
     rationale_field: str | None = None,
     use_chat_template: bool = False,
+    own_template: str | None = None,
 ) -> dict[str, Tensor]:
-    """Tokenize one record for training.
+    """Tokenize one record for training (`own_template`: this reader's prompt, `format_example`).
 
     Returns:
         dict of 1-D tensors `[T]`: `input_ids`, `attention_mask`, `labels` (prompt = -100, so the
@@ -518,7 +539,7 @@ def tokenize_example(
     # `use_chat_template` says (`format_example`), a question/answer prompt's under it; never a plain text's
     templated = formats.is_conversational(record) or (use_chat_template and record_format(record) == formats.QUESTION_ANSWER)
     chat = templated and _has_template(tokenizer)
-    f = format_example(record, template, tokenizer if chat else None, rationale_field)
+    f = format_example(record, template, tokenizer if chat else None, rationale_field, own_template)
     ids, ends, seg = token_segments(tokenizer, f, chat)
     if ids and tokenizer.eos_token_id is not None and ids[-1] != tokenizer.eos_token_id:
         ids.append(tokenizer.eos_token_id)  # the model learns to stop after the answer
@@ -539,7 +560,7 @@ def tokenize_example(
     if record.get(token_fields.FIELD_KEY):
         try:
             per_token = token_fields.tokens_of(token_fields.freeze(record[token_fields.FIELD_KEY]), f.text,
-                                               str(record["question"]), ends)
+                                               str(record["question"]), ends, f.prompt_end)
         except ValueError as err:
             raise DataError(str(err)) from None
         ignore = torch.full((len(ids) - len(ends),), token_fields.IGNORE)  # the appended EOS
@@ -570,12 +591,13 @@ def pad_batch(features: Sequence[Mapping[str, Tensor]], pad_id: int, side: str =
 
 @dataclass
 class TeacherView:
-    """How one teacher sees an example: its own tokenizer and/or its own rationale column, and
+    """How one teacher sees an example: its own tokenizer, rationale column and/or prompt `template`, and
     `rewrite`, a record -> record map applied before it tokenizes (`teacher_control: permuted`)."""
 
     tokenizer: Any
     rationale_field: str | None = None
     rewrite: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+    template: str | None = None
 
 
 @dataclass
@@ -621,8 +643,8 @@ class DistillCollator:
         pick = torch.randint(len(self.transfer), (self.transfer_batch_size,), generator=g)
         return [self.transfer[i] for i in pick.tolist()]
 
-    def _encode(self, view: str, tok: Any, records: Sequence[Mapping], rationale_field: str | None
-                ) -> dict[str, Tensor]:
+    def _encode(self, view: str, tok: Any, records: Sequence[Mapping], rationale_field: str | None = None,
+                own_template: str | None = None) -> dict[str, Tensor]:
         """`view` names who reads (the student, or a teacher): each view tokenizes a record one way."""
         feats = []
         for r in records:
@@ -632,7 +654,8 @@ class DistillCollator:
             except TypeError:  # an unhashable field: tokenized every time
                 key, f = None, None
             if f is None:
-                f = tokenize_example(tok, r, self.max_length, self.template, rationale_field, self.use_chat_template)
+                f = tokenize_example(tok, r, self.max_length, self.template, rationale_field, self.use_chat_template,
+                                     own_template)
                 if key is not None and len(self._features) < self.max_cached:
                     self._features[key] = f
             feats.append(f)
@@ -646,13 +669,13 @@ class DistillCollator:
         n_labelled = len(records)
         records = [*records, *self._transfer_draw(records)]
         student_records = [shorten_rationale(r, self.student_input) for r in records]
-        batch: dict[str, Any] = self._encode("", self.tokenizer, student_records, None)
+        batch: dict[str, Any] = self._encode("", self.tokenizer, student_records)
         batch["index"] = torch.tensor([int(r.get("index", i)) for i, r in enumerate(records)])
         batch["labelled"] = torch.arange(len(records)) < n_labelled  # [B]
         teacher_inputs = {}
         for name, view in self.teachers.items():
             seen = records if view.rewrite is None else [view.rewrite(r) for r in records]
-            enc = self._encode(name, view.tokenizer, seen, view.rationale_field)
+            enc = self._encode(name, view.tokenizer, seen, view.rationale_field, view.template)
             enc.pop("labels")
             teacher_inputs[name] = enc
         if teacher_inputs:

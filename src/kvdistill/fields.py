@@ -83,13 +83,14 @@ def token_values(chars: Tensor, token_ends: Tensor) -> Tensor:
     return torch.where(inside, chars[last.clamp(min=0)], torch.tensor(IGNORE))
 
 
-def tokens_of(fields: tuple[tuple[str, Spans], ...], text: str, question: str, token_ends: Tensor
-              ) -> dict[str, Tensor]:
+def tokens_of(fields: tuple[tuple[str, Spans], ...], text: str, question: str, token_ends: Tensor,
+              prompt_end: int | None = None) -> dict[str, Tensor]:
     """Every field of a record on one tokenization of its formatted `text`: `{name: [T]}`.
 
-    The question is found in `text` as its first occurrence (the prompt template wraps it once).
+    The question is found in `text[:prompt_end]` as its last occurrence: the prompt template wraps it once,
+    after any few-shot prefix a reader has (which may hold the same question).
     """
-    offset = text.find(question)
+    offset = text.rfind(question, 0, len(text) if prompt_end is None else prompt_end)
     if offset < 0:
         raise ValueError("the question is not in the formatted prompt (a chat template changed it?), so its "
                          f"{FIELD_KEY} cannot be placed; use the plain prompt template")

@@ -90,7 +90,8 @@ def load_teacher(spec: Any, student_tokenizer: Any, *, untrained: bool = False, 
         tokenizer = spec.tokenizer
     else:
         tokenizer = load_tokenizer(spec.tokenizer or spec.path)
-    shares = spec.rationale_field is None and same_tokenizer(tokenizer, student_tokenizer)
+    # its own rationale or prompt: its tokens are not the student's even in the same tokenizer
+    shares = spec.rationale_field is None and spec.template is None and same_tokenizer(tokenizer, student_tokenizer)
     return Teacher(spec.name, str(spec.path), freeze(model), tokenizer, spec.weight, shares)
 
 

@@ -145,3 +145,34 @@ def test_chat_student_reads_its_template_the_plain_teacher_its_prompt(toks):
     assert prompt_reads(S, {"gemma": T}) == (
         "prompts: student reads prompt_template 'Question: {question}\\nAnswer:'; "
         "teacher gemma reads prompt_template 'Question: {question}\\nAnswer:'")
+
+
+def test_a_teachers_own_template_pairs_the_question_and_after_never_its_prefix(toks):
+    """A teacher's `template` (a few-shot prefix only it reads): its prefix and template words pair with no
+    student token, every other character with the same character of the student's text; per-token fields land
+    on the question, not on a copy of it in the prefix."""
+    S, T = toks["student"], toks["teacher"]
+    rec = {"question": "a=4. e=a. What is e?", "answer": "#### 4",
+           "token_fields": {"value": [[0, 1, 4], [5, 6, 4], [18, 19, 4]]}}
+    own = "a=4. e=a. What is e? 4\nb=2. What is b? 2\n\n{question}\nAnswer:"  # the prefix holds the question
+    batch = DistillCollator(S, teachers={"gemma": TeacherView(T, template=own)})([rec])
+    t, f_t, plain = batch["teacher_inputs"]["gemma"], format_example(rec, own_template=own), format_example(rec).text
+    assert f_t.text.startswith(own.split("{question}")[0]) and f_t.text.endswith(plain[plain.index(rec["question"]):])
+    raw = torch.tensor([e - 1 if e > s else NO_CHAR for s, e in _spans(T, f_t.text)[1]])  # [T] ends in its own text
+    ends = t["char_ends"][0, :len(raw)]
+    prefix = raw < len(own.split("{question}")[0])
+    assert raw[prefix].ge(0).any() and (ends[prefix & (raw >= 0)] == data.UNSHARED).all()
+    shared = ends >= 0
+    assert shared.sum() >= 8 and all(plain[c] == f_t.text[r] for c, r in zip(ends[shared].tolist(), raw[shared].tolist()))
+    # the student's tokens of the question read the teacher's tokens of the question, none of the prefix's
+    s_ends = batch["char_ends"]
+    idx = time_index(t["attention_mask"], t["segment_ids"], batch["attention_mask"], batch["segment_ids"], "segment",
+                     t["char_ends"], s_ends)
+    q = plain.index(rec["question"])
+    in_q = (s_ends[0] >= q) & (s_ends[0] < q + len(rec["question"]))
+    assert in_q.sum() >= 4 and not prefix[idx.lo[0, in_q]].any() and idx.valid[0, in_q].all()
+    # the value field: 4 on the three spans of the question, none on the prefix's copy
+    values = t["token_fields"]["value"][0, :len(raw)]
+    assert not (values[prefix] == 4).any() and (values == 4).sum() >= 3
+    assert prompt_reads(S, {"gemma": T}, own_templates={"gemma": own}).endswith(
+        f"teacher gemma reads its own template {own!r} (its text outside the question pairs with no student token)")

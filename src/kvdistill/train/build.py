@@ -364,7 +364,8 @@ def prepare_run(cfg: KVDistillConfig, student: Any, tokenizer: Any, records: lis
     rewrite = (TextPermutation.seeded(cfg.permute, cfg.permute_vocab, cfg.seed)
                if "permuted" in controls.values() else None)
     views = {
-        t.name: TeacherView(t.tokenizer, s.rationale_field, rewrite if controls[t.name] == "permuted" else None)
+        t.name: TeacherView(t.tokenizer, s.rationale_field, rewrite if controls[t.name] == "permuted" else None,
+                            s.template)
         for t, s in zip(teachers, specs) if not t.shares_student_tokens
     }
     for t, s in zip(teachers, specs):  # how each teacher's logits teach (resolved at any weight: captures read it)
@@ -386,7 +387,8 @@ def prepare_run(cfg: KVDistillConfig, student: Any, tokenizer: Any, records: lis
                                cfg.student_input, transfer, cfg.transfer_batch_size, cfg.seed)
     log(describe_format(records, "train_dataset" if cfg.data is None else str(cfg.data)))
     log(prompt_reads(tokenizer, {t.name: None if t.shares_student_tokens else t.tokenizer for t in teachers},
-                     cfg.prompt_template, cfg.use_chat_template, example=records[0]))
+                     cfg.prompt_template, cfg.use_chat_template, example=records[0],
+                     own_templates={t.name: s.template for t, s in zip(teachers, specs) if s.template}))
     return RunInputs(tokenizer, student, records, transfer, teachers, specs, collator)
 
 

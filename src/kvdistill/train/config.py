@@ -84,6 +84,11 @@ class TeacherConfig:
                                          affects="teacher_inputs")
     layer_map: str | None = option(None, "Layer-map JSON from `kvdistill layer-map` (needed with layer_map: cka).",
                                    affects="student_loss")
+    template: str | None = option(None, "Prompt template only this teacher reads, with {question} (default: the "
+                                  "run's prompt_template): e.g. a few-shot prefix the student never sees (privileged "
+                                  "context, as in context distillation). Its own text pairs with no student token; "
+                                  "the question and all after it pair by characters, as under a chat template.",
+                                  affects="teacher_inputs")
     projector: str | None = option(None, "Dim projector for this teacher (default: the run's `projector`).",
                                    affects="student_loss")
     mlp_ratio: float | None = option(None, "Elastic projector width ratio (default: the run's `mlp_ratio`).",
@@ -127,6 +132,9 @@ class TeacherConfig:
                               "teacher_control: oracle")
         if self.control is not None:
             check_choice(f"teacher {self.name}: control", self.control, TEACHER_CONTROLS)
+        if self.template is not None and self.template.count("{question}") != 1:
+            raise ConfigError(f"teacher {self.name}: template must hold {{question}} once (where the record's "
+                              f"question goes), got {self.template!r}")
 
 
 @dataclass
@@ -483,7 +491,7 @@ class KVDistillConfig(TrainingArguments):
             raise ConfigError("fp16 mixed precision needs a CUDA GPU (on CPU it would be silently ignored); drop "
                               "--fp16, or use --bf16 on CPU")
         # one model read the same way twice is one teacher counted twice (another rationale is not)
-        views = [(_resolved(t.path), t.tokenizer, t.rationale_field, t.dtype, t.quantization,
+        views = [(_resolved(t.path), t.tokenizer, t.rationale_field, t.template, t.dtype, t.quantization,
                   self.teacher_controls[t.name]) for t in self.teacher_configs]
         repeated = [v[0] for v in views if views.count(v) > 1]
         if repeated:
@@ -491,7 +499,8 @@ class KVDistillConfig(TrainingArguments):
                               "`weight` sets how much it counts)")
         # the student's own model reading its text: its targets are the student's outputs (a typo, most often)
         own = [t for t in self.active_teachers if named and _resolved(t.path) == _resolved(self.student) and
-               t.tokenizer in (None, "student") and t.rationale_field is None and self.student_input == "full"
+               t.tokenizer in (None, "student") and t.rationale_field is None and t.template is None
+               and self.student_input == "full"
                and self.teacher_controls[t.name] == "none"]
         if own and not self.allow_self_teacher:
             raise ConfigError(f"teacher {own[0].name} is the student itself ({own[0].path}), reading the same text: "
@@ -683,6 +692,11 @@ class KVDistillConfig(TrainingArguments):
         if {"permuted", "oracle"} & {self.teacher_control, *self.teacher_controls.values()}:
             raise ConfigError(f"{what}: teacher_control permuted / oracle reads per-record facts of the data's "
                               "text, which generated text does not have; use none, untrained or shuffled")
+        own = [t.name for t in self.active_teachers if t.template is not None]
+        if own:  # the completions' teachers read the run's prompt: a teacher's own one would be dropped unasked
+            raise ConfigError(f"{what}: teacher {own[0]} has its own template, which generated completions are not "
+                              "read with (teachers read them under prompt_template); drop its template, or lmbda: 0 "
+                              "and seq_kd: false")
         if self.fsdp:
             raise ConfigError(f"{what} generates every step, which under FSDP steps every rank's sharded forward in "
                               "lockstep (untested); use DDP or DeepSpeed ZeRO-1/2, or lmbda: 0 and seq_kd: false")
