@@ -21,7 +21,8 @@ TEACHER_KEYS = {f.name for f in fields(TeacherConfig)}
 OURS = sorted(p for p in CONFIGS.glob("**/*.yaml") if not {"accelerate", "lm_eval"} & set(p.parts))
 ABLATIONS = [p for p in OURS if "base_config" in (yaml.safe_load(p.read_text()) or {})]
 DEMO_SETTINGS = [p for p in OURS if p.name == "demo.yaml"]  # `demo --task`'s settings (kvdistill.lab.regimes)
-TRAIN_YAMLS = [p for p in OURS if p not in ABLATIONS + DEMO_SETTINGS]
+PROBES = [p for p in OURS if p.stem.endswith(("probe", "probe_plain"))]  # `kvdistill probe --config`
+TRAIN_YAMLS = [p for p in OURS if p not in ABLATIONS + DEMO_SETTINGS + PROBES]
 
 
 def _check_train_config(cfg: dict, where: str) -> None:
@@ -46,6 +47,15 @@ def test_demo_settings_keys_exist(path):
 
     for quick in (False, True):  # configs/demo/<task>/demo.yaml: its data knobs are the task's
         check_data(path.parent.name, read_settings(path, quick=quick).data)
+
+
+@pytest.mark.parametrize("path", PROBES, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_probe_configs_parse(path):
+    from kvdistill.commands.probe import ProbeConfig
+
+    cfg = yaml.safe_load(path.read_text())
+    assert not set(cfg) - {f.name for f in fields(ProbeConfig)}, f"{path}: unknown probe options"
+    assert ProbeConfig(**cfg).output_dir
 
 
 @pytest.mark.parametrize("path", ABLATIONS, ids=lambda p: str(p.relative_to(CONFIGS)))

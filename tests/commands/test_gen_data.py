@@ -110,3 +110,20 @@ def test_text_task_cuts_local_files_into_windows_each_file_in_one_split(tmp_path
     assert main(["gen-data", "--task", "text", "--source", str(src), "--n_train", "5", "--n_dev", "1", "--n_test", "500",
                  "--output_dir", str(tmp_path / "x")]) == 2
     assert "fewer than the 500 asked" in capsys.readouterr().err and not list(tmp_path.glob("x/*.jsonl"))
+
+
+def test_a_rerun_rewrites_its_own_data_and_other_options_or_files_are_refused(tmp_path, capsys):
+    out, small = tmp_path / "data", ["--n_train", "20", "--n_test", "10", "--n_dev", "10"]
+    assert main(["gen-data", "--output_dir", str(out), *small]) == 0
+    first = (out / "train.jsonl").read_bytes()
+    assert main(["gen-data", "--output_dir", str(out), *small]) == 0  # the same command: the same files
+    assert (out / "train.jsonl").read_bytes() == first
+    capsys.readouterr()
+    assert main(["gen-data", "--output_dir", str(out), *small, "--seed", "1"]) == 2  # never two settings mixed
+    assert "already holds data written with other options" in capsys.readouterr().err
+    assert (out / "train.jsonl").read_bytes() == first
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert main(["gen-data", "--output_dir", str(tmp_path / "other"), *small]) == 2
+    assert "files gen-data did not write" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["notes.txt"]

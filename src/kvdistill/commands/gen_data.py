@@ -16,6 +16,7 @@ Every option names its task in `--help` ([binding] ...); setting one of another 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -137,18 +138,35 @@ def make_task_splits(cfg: GenDataConfig) -> dict[str, list[dict]]:
     return {"train": train, "dev": dev, "test": test}
 
 
+def _check_reuse(out: Path, options: dict) -> None:
+    """A non-empty `out` is refused unless it holds this very data (same task and options: the same command
+    rerun writes the same files): splits of two settings, or of a stale run, are never left side by side."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    try:
+        old = json.loads((out / "task.json").read_text())["options"]
+    except (OSError, ValueError, KeyError, TypeError):
+        old = None
+    same = json.loads(json.dumps({k: v for k, v in options.items() if k != "output_dir"}))  # as task.json holds it
+    if old is not None and {k: v for k, v in old.items() if k != "output_dir"} == same:
+        return
+    what = "data written with other options (task.json)" if old is not None else "files gen-data did not write"
+    raise ConfigError(f"--output_dir {out} already holds {what}; pass a new directory or remove it")
+
+
 def main(argv: list[str]) -> int:
     cfg = parse_config(GenDataConfig, argv, "kvdistill gen-data", __doc__)
-    check_output_dir(cfg.output_dir)
+    out = Path(cfg.output_dir)
+    options = {f.name: getattr(cfg, f.name) for f in fields(cfg) if cfg.task in (tasks_of(f.metadata["help"]) or [cfg.task])}
+    _check_reuse(out, options)
+    check_output_dir(out)
     try:
         splits = make_task_splits(cfg)
     except ValueError as err:  # too few distinct problems for these knobs; the message names them
         raise ConfigError(str(err)) from None
-    out = Path(cfg.output_dir)
     for name, records in splits.items():
         write_jsonl(records, out / f"{name}.jsonl")
     sizes = {name: len(records) for name, records in splits.items()}
-    options = {f.name: getattr(cfg, f.name) for f in fields(cfg) if cfg.task in (tasks_of(f.metadata["help"]) or [cfg.task])}
     write_json_atomic(out / "task.json", {"options": options, "splits": sizes})
     print(f"wrote {cfg.task}: " + ", ".join(f"{name} {n}" for name, n in sizes.items()) + f" to {out}")
     return 0

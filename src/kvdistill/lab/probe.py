@@ -124,7 +124,7 @@ def with_text_fields(record: Mapping[str, Any], template: str = DEFAULT_TEMPLATE
     final = f.text[f.reasoning_end:].partition("####")[2].strip()
     fields = dict(token_fields.freeze(record.get(token_fields.FIELD_KEY) or {}))
     fields.update({name: () for name in need if name not in fields})
-    fields.update(text_spans(f.text, f.text.find(question), final))
+    fields.update(text_spans(f.text, f.text.rfind(question, 0, f.prompt_end), final))  # after any few-shot prefix
     return {**record, token_fields.FIELD_KEY: token_fields.freeze(fields)}
 
 
