@@ -137,3 +137,37 @@ def test_no_answer_nll_flag(tiny_world, tmp_path):
     assert main(argv) == 0
     assert json.loads((tmp_path / "summary.json").read_text())["answer_nll"] is None
     assert "answer_nll" not in read_items(tmp_path)[0]
+
+
+def test_kl_to_the_teacher_is_the_per_token_kl_on_the_perplexity_tokens(tiny_world, tmp_path, capsys):
+    """--teacher: KL(teacher || model) summed over the vocabulary, mean over the perplexity's target tokens; zero for
+    the model itself; a teacher of another tokenizer is refused in one line."""
+    import torch
+
+    from kvdistill.data import load_records, pad_batch, tokenize_example
+    from kvdistill.models import load_model, load_tokenizer
+
+    m = tiny_world.models
+    argv = ["--model", str(m["student"]), "--data", str(tiny_world.data_dir), "--limit", "3", "--max_new_tokens", "2",
+            "--no_answer_nll", "--no_progress"]
+    assert main([*argv, "--teacher", str(m["student"]), "--out", str(tmp_path / "self")]) == 0
+    assert json.loads((tmp_path / "self" / "summary.json").read_text())["kl_to_teacher"] == pytest.approx(0, abs=1e-6)
+    assert main([*argv, "--teacher", str(m["qwen2_teacher"]), "--out", str(tmp_path / "t")]) == 0
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert "KL to the teacher" in capsys.readouterr().out and summary["teacher"] == str(m["qwen2_teacher"])
+    # the same number from the definition, record by record
+    tok = load_tokenizer(m["student"])
+    records = load_records(str(tiny_world.data_dir), split="test", limit=3)
+    batch = pad_batch([tokenize_example(tok, r) for r in records], tok.pad_token_id)
+    with torch.no_grad():
+        p_s, p_t = (load_model(m[k])(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                    .logits[:, :-1, :len(tok)].double().softmax(-1) for k in ("student", "qwen2_teacher"))
+    target = batch["labels"][:, 1:] != -100  # [B, T-1]
+    kl = (p_t * (p_t.log() - p_s.log())).sum(-1)[target]
+    assert summary["kl_to_teacher"] == pytest.approx(float(kl.mean()), rel=1e-4) and summary["kl_to_teacher"] > 0
+    from kvdistill.cli import main as cli
+
+    capsys.readouterr()
+    assert cli(["eval", *argv, "--teacher", str(m["llama_teacher_alt_tok"])]) == 2
+    err = capsys.readouterr().err
+    assert "has another tokenizer than" in err and err.count("\n") == 1

@@ -55,6 +55,9 @@ class EvalConfig:
     no_answer_nll: bool = option(False, "Skip the answer NLL (the gold answer's NLL after the model's own "
                                  "rationale; one more forward per batch).")
     max_length: int = option(512, "Token limit of the perplexity examples.")
+    teacher: str | None = option(None, "A teacher (Hub id, model dir or kvdistill run dir) of the same tokenizer: "
+                                 "also KL(teacher || model) of the next-token distributions on the perplexity's "
+                                 "tokens (`kl_to_teacher`, nats per target token).")
     dtype: str = option("auto", "auto | fp32 | bf16 | fp16.")
     device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda if available).")
     output_dir: str | None = option(None, "Write DIR/items.jsonl and DIR/summary.json.", aliases=["--out"])
@@ -75,6 +78,9 @@ class EvalConfig:
         self.field_map = to_plain(self.field_map)
         if not self.data:
             raise ConfigError("no data: pass --data <Hub id, jsonl/json/parquet file or dir, or 'synthetic'>")
+        if self.teacher and self.no_perplexity:
+            raise ConfigError("--teacher compares next-token distributions on the perplexity's tokens; drop "
+                              "--no_perplexity or --teacher")
 
 
 # ----------------------------------------------------------------------------- model dirs
@@ -159,6 +165,7 @@ def run_eval(
     device: str | None = None,
     log: Callable[[str], None] = print,
     update_card: bool = False,
+    teacher: str | Path | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """Load a model (Hub id, model dir or kvdistill run dir) and data, evaluate, write to `out` (and, with
@@ -168,6 +175,7 @@ def run_eval(
     the answer NLL is on unless `answer_nll=False`.
     `template` / `chat_template` left out (or None) come from the run's training config when
     `model_path` is a kvdistill run, else the defaults (plain template, no chat template, as training's).
+    `teacher`: a model of the same tokenizer whose KL to this one is scored too (`kl_to_teacher`).
     """
     from kvdistill.models import check_vocab, load_model, load_tokenizer, resolve_device
 
@@ -188,9 +196,18 @@ def run_eval(
     if student_input != "full":  # a privileged-mode student never learned the full rationale
         records = [shorten_rationale(r, student_input) for r in records]
     tokenizer = load_tokenizer(_tokenizer_dir(model_dir))
+    if teacher is not None:  # before any weights load
+        from kvdistill.teachers import same_tokenizer
+
+        teacher_dir = resolve_model(teacher, "the KL is scored against", log)
+        if not same_tokenizer(load_tokenizer(_tokenizer_dir(teacher_dir)), tokenizer):
+            raise ConfigError(f"--teacher {teacher} has another tokenizer than {model_dir}: a KL per token needs "
+                              "the same tokens; give a teacher of the model's tokenizer")
     model = load_model(model_dir, dtype=dtype, device=device)
     check_vocab(model, tokenizer, model_dir)
     check_lengths(model, tokenizer, records, model_dir, str(data), kwargs)
+    if teacher is not None:
+        kwargs["teacher"] = load_model(teacher_dir, dtype=dtype, device=device).eval()
     what = (f"{len(records)} questions" if finals else
             f"{len(records)} {record_format(records[0])} records: no final answers, the held-out LM loss only")
     prompt = f"; prompt {kwargs.get('template') or DEFAULT_TEMPLATE!r}" if finals else ""  # text has no prompt
@@ -206,6 +223,7 @@ def run_eval(
             "limit": limit,
             "dtype": dtype,
             "student_input": student_input,
+            "teacher": None if teacher is None else str(teacher),
             "device": str(device),
             "environment": environment(),
         }
@@ -227,17 +245,18 @@ def main(argv: list[str]) -> int:
         dtype=cfg.dtype, device=cfg.device, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
         template=cfg.template, chat_template=cfg.chat_template, stop_strings=cfg.stop,
         perplexity=not cfg.no_perplexity, answer_nll=not cfg.no_answer_nll, max_length=cfg.max_length, progress=False if cfg.no_progress else None,
-        update_card=cfg.update_card,
+        update_card=cfg.update_card, teacher=cfg.teacher,
     )
-    ppl, nll = result["perplexity"], result["answer_nll"]
+    ppl, nll, kl = result["perplexity"], result["answer_nll"], result.get("kl_to_teacher")
+    kl_text = "" if kl is None else f", KL to the teacher {kl:.4f} nats/token"
     if result["accuracy"] is None:
         print(f"held-out LM loss {result['nll']:.4f} nats/token over {result['target_tokens']} tokens of "
-              f"{result['n']} records, perplexity {ppl:.3f}")
+              f"{result['n']} records, perplexity {ppl:.3f}{kl_text}")
         return 0
     print(
         f"accuracy {result['accuracy']:.4f} ({result['n_correct']}/{result['n']}), "
         f"95% CI [{result['ci_low']:.4f}, {result['ci_high']:.4f}]"
         + (f", answer NLL {nll:.3f}" if nll is not None else "")
-        + (f", perplexity {ppl:.3f}" if ppl is not None else "")
+        + (f", perplexity {ppl:.3f}" if ppl is not None else "") + kl_text
     )
     return 0

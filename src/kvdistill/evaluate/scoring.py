@@ -218,18 +218,22 @@ def reference_perplexity(
     template: str = DEFAULT_TEMPLATE,
     use_chat_template: bool = False,
     max_length: int = 512,
-) -> dict[str, float]:
+    teacher: Any = None,
+) -> dict[str, float | None]:
     """Perplexity of the reference rationale + answer (+ EOS) given the prompt.
 
     Tokenised as in training (`labels` = -100 on the prompt), summed over all target tokens
-    of all records and divided by their count: `exp(total NLL / total tokens)`.
+    of all records and divided by their count: `exp(total NLL / total tokens)`. With `teacher`
+    (a model of the same tokenizer), also KL(teacher ‖ model) of the next-token distributions at the
+    same positions, summed over the vocabulary, mean per target token.
 
     Returns:
-        `{"perplexity", "nll" (mean per token), "tokens"}`.
+        `{"perplexity", "nll" (mean per token), "tokens", "kl_to_teacher" (None without a teacher)}`.
     """
     device = model_device(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    total_nll, total_tokens = 0.0, 0
+    n_vocab = len(tokenizer)  # head rows past it are padding: neither model ever predicts them
+    total_nll, total_kl, total_tokens = 0.0, 0.0, 0
     for start in range(0, len(records), batch_size):
         feats = [
             tokenize_example(
@@ -250,8 +254,16 @@ def reference_perplexity(
         )
         total_nll += float(nll)
         total_tokens += int((labels != -100).sum())
+        if teacher is not None:
+            t_logits = teacher(input_ids=batch["input_ids"].to(device),
+                               attention_mask=batch["attention_mask"].to(device)).logits.float()  # [B, T, V_t]
+            log_s = logits[:, :-1, :n_vocab].log_softmax(-1)  # [B, T-1, V]
+            log_t = t_logits[:, :-1, :n_vocab].log_softmax(-1)
+            kl = torch.nn.functional.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)  # [B, T-1]
+            total_kl += float(kl[labels != -100].sum())
     mean = total_nll / max(total_tokens, 1)
-    return {"perplexity": math.exp(min(mean, 700.0)), "nll": mean, "tokens": total_tokens}
+    return {"perplexity": math.exp(min(mean, 700.0)), "nll": mean, "tokens": total_tokens,
+            "kl_to_teacher": total_kl / max(total_tokens, 1) if teacher is not None else None}
 
 
 # ----------------------------------------------------------------------------- answer NLL
@@ -380,6 +392,7 @@ def evaluate_model(
     answer_nll: bool = False,
     max_length: int = 512,
     progress: bool | None = None,
+    teacher: Any = None,
 ) -> dict[str, Any]:
     """Accuracy (and perplexity) of a loaded model on GSM8K-format `records`.
 
@@ -391,6 +404,8 @@ def evaluate_model(
         chat_template: "auto" (use the tokenizer's chat template if it has one), "on", "off".
         stop_strings: cut generation here; default from the template (`"\\nQuestion:"`).
         perplexity: also compute the reference perplexity.
+        teacher: a model of the same tokenizer: the perplexity's tokens also give `kl_to_teacher`
+            (`reference_perplexity`).
         answer_nll: also score each gold answer's NLL after the model's own rationale
             (`gold_answer_nll`; per item `answer_nll`, `answer_tokens`; summary `answer_nll`, the
             mean over items).
@@ -407,7 +422,7 @@ def evaluate_model(
     chat = use_chat(tokenizer, chat_template)
     if records and not has_finals(records):  # text, conversations, prompt/completion: nothing to generate and score
         return lm_loss_summary(model, tokenizer, records, batch_size=batch_size, template=template, chat=chat,
-                               perplexity=perplexity, max_length=max_length)
+                               perplexity=perplexity, max_length=max_length, teacher=teacher)
     stops = list(default_stop_strings(template) if stop_strings is None else stop_strings)
     prompts = [format_prompt(str(r["question"]), template, tokenizer if chat else None) for r in records]
     t0 = time.perf_counter()
@@ -436,7 +451,7 @@ def evaluate_model(
         for item, (nll, tokens) in zip(items, scored):
             item["answer_nll"], item["answer_tokens"] = nll, tokens
         summary["answer_nll"] = sum(nll for nll, _ in scored) / len(scored)
-    ppl: dict[str, float | None] = {"perplexity": None, "nll": None, "tokens": None}
+    ppl: dict[str, float | None] = {"perplexity": None, "nll": None, "tokens": None, "kl_to_teacher": None}
     if perplexity and records:
         ppl = reference_perplexity(
             model,
@@ -446,11 +461,13 @@ def evaluate_model(
             template=template,
             use_chat_template=chat,
             max_length=max_length,
+            teacher=teacher,
         )
     summary.update(
         {
             "perplexity": ppl["perplexity"],
             "nll": ppl["nll"],
+            "kl_to_teacher": ppl["kl_to_teacher"],
             "target_tokens": ppl["tokens"],
             "chat_template": chat,
             "template": template,
@@ -464,7 +481,8 @@ def evaluate_model(
 
 
 def lm_loss_summary(model: Any, tokenizer: Any, records: Sequence[Mapping[str, Any]], *, batch_size: int,
-                    template: str, chat: bool, perplexity: bool, max_length: int) -> dict[str, Any]:
+                    template: str, chat: bool, perplexity: bool, max_length: int, teacher: Any = None
+                    ) -> dict[str, Any]:
     """`evaluate_model`'s summary for records without final answers (text, conversations, prompt/completion):
     the held-out LM loss on what training learns of them (`nll` per target token, `perplexity`); accuracy and
     answer NLL are None (nothing is generated)."""
@@ -472,9 +490,10 @@ def lm_loss_summary(model: Any, tokenizer: Any, records: Sequence[Mapping[str, A
         raise DataError(f"these are {record_format(records[0])} records, with no final answers to score: the "
                         "held-out LM loss is all an evaluation of them gives; drop --no_perplexity")
     ppl = reference_perplexity(model, tokenizer, records, batch_size=batch_size, template=template,
-                               use_chat_template=chat, max_length=max_length)
+                               use_chat_template=chat, max_length=max_length, teacher=teacher)
     return {"accuracy": None, "ci_low": None, "ci_high": None, "n": len(records), "n_correct": None,
             "n_no_answer": None, "answer_nll": None, "perplexity": ppl["perplexity"], "nll": ppl["nll"],
+            "kl_to_teacher": ppl["kl_to_teacher"],
             "target_tokens": ppl["tokens"], "chat_template": chat, "template": template, "batch_size": batch_size,
             "max_length": max_length, "items": []}
 
