@@ -70,6 +70,7 @@ def _recipes(tiny_world, b) -> dict[str, tuple[dict, dict]]:
         "teacher.rationale_field": ({"logit_kd_weight": 0}, {"teachers": _teachers(tiny_world, ", rationale_field: rationale")}),
         "teacher.logit_kd": ({}, {"teachers": _teachers(tiny_world, ", logit_kd: off")}),
         "teacher.control": ({}, {"teachers": _teachers(tiny_world, ", control: untrained")}),
+        "teacher.template": ({}, {"teachers": _teachers(tiny_world, ', template: "Context only I read. {question}"')}),
         "permute": (permuted, {"permute_vocab": "0..15"}),
         "permute_vocab": (permuted, {"permute_vocab": "0..15"}),
     }
