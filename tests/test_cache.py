@@ -37,6 +37,21 @@ def test_kv_shapes_per_family(tiny_world, name):
     assert not kv.keys.requires_grad and not kv.values.requires_grad
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("key_space", ["post_rope", "hidden"])
+def test_extracting_the_cache_runs_the_lm_head_on_one_position(tiny_world, name, key_space):
+    """`extract_kv` reads no logits, so the head (a [T, V] matmul: most of a 262k-vocabulary model's forward)
+    sees the last position only; `forward_with_kv` for the student keeps every position's logits."""
+    model = load_model(tiny_world.models[name], dtype="fp32")
+    batch = _batch(tiny_world, name)
+    seen = []
+    model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    kv = extract_kv(model, batch["input_ids"], batch["attention_mask"], key_space=key_space)
+    out, _ = forward_with_kv(model, batch["input_ids"], batch["attention_mask"], key_space=key_space)
+    T = batch["input_ids"].shape[1]
+    assert seen == [1, T] and out.logits.shape[1] == T and kv.keys.shape[3] == T
+
+
 def test_gqa_keeps_real_kv_heads(tiny_world):
     model = load_model(tiny_world.models["student"], dtype="fp32")
     assert model.config.num_key_value_heads < model.config.num_attention_heads

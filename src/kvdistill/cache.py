@@ -7,6 +7,7 @@ module sees only the `KVCache` value below, so those differences stop here.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from contextlib import contextmanager, nullcontext
@@ -272,6 +273,7 @@ def forward_with_kv(
     key_space: KeySpace = "post_rope",
     output_hidden_states: bool = False,
     queries: bool = False,
+    logits: bool = True,
     **model_kwargs: Any,
 ) -> tuple[Any, KVCache]:
     """One forward pass returning the model output *and* its stacked cache.
@@ -292,12 +294,17 @@ def forward_with_kv(
             last is after the final norm, as HF's `hidden_states` give it.
         output_hidden_states: also return hidden states `[L+1, B, T, d_model]`.
         queries: also return post-RoPE queries `[L, B, H_q, T, D]` (`capture_queries`; kv_loss attention).
+        logits: False runs the LM head on the last position only (where the model takes `logits_to_keep`),
+            for a caller that reads the cache or hidden states alone: `[B, T, V]` logits of a 262k
+            vocabulary are GBs and most of a small model's forward.
 
     Returns:
         (model output, KVCache)
     """
     if key_space not in KEY_SPACES:
         raise ValueError(f"key_space must be one of {KEY_SPACES}, got {key_space!r}")
+    if not logits and takes_logits_to_keep(model):
+        model_kwargs = {**model_kwargs, "logits_to_keep": 1}
     if key_space == "hidden":
         if queries:
             raise ValueError("key_space hidden gives hidden states, which have no queries (kv_loss attention)")
@@ -327,6 +334,11 @@ def forward_with_kv(
     return out, kv
 
 
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether `model.forward` takes `logits_to_keep` (HF causal LMs do; older or remote-code models may not)."""
+    return "logits_to_keep" in inspect.signature(getattr(model, "module", model).forward).parameters
+
+
 def extract_kv(
     model: nn.Module,
     input_ids: Tensor,
@@ -353,5 +365,6 @@ def extract_kv(
             key_space=key_space,
             output_hidden_states=output_hidden_states,
             queries=queries,
+            logits=False,  # the cache is all that is read
         )
     return kv if grad else kv.detach()

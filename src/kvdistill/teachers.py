@@ -303,8 +303,7 @@ class TeacherSet:
             out, kv = forward_with_kv(
                 t.model, input_ids, attention_mask, segment_ids, key_space=key_space,
                 output_hidden_states=output_hidden_states or head, queries=queries,
-                # the head runs on the last position only when its logits are not read (none, or hidden states)
-                **({"logits_to_keep": 1} if head or not return_logits else {}),
+                logits=return_logits and not head,  # not read: none, or the hidden states the head reads
             )
         finally:
             if self.offload and not _is_quantized(t.model):

@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import time
@@ -36,6 +35,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from kvdistill.cache import takes_logits_to_keep
 from kvdistill.data import (
     ANSWER_MARKER,
     DEFAULT_TEMPLATE,
@@ -306,7 +306,7 @@ def gold_answer_nll(
     device = model_device(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     limit = max_positions(model) if hasattr(model, "config") else None
-    cut = "logits_to_keep" in inspect.signature(model.forward).parameters  # older/remote-code models: all logits
+    cut = takes_logits_to_keep(model)  # older/remote-code models: all logits
     out: list[tuple[float, int]] = []
     for start in range(0, len(contexts), batch_size):
         ctx, ans = contexts[start : start + batch_size], answers[start : start + batch_size]

@@ -172,7 +172,8 @@ def layer_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, ki
         A model without a key projection to hook (GPT-2) has no RoPE: its k_pre is its cached key.
     """
     with capture_pre_rope_keys(model) as pre:
-        _, kv = forward_with_kv(model, input_ids, attention_mask, output_hidden_states="hidden" in kinds)
+        _, kv = forward_with_kv(model, input_ids, attention_mask, output_hidden_states="hidden" in kinds,
+                                logits=False)
     out = {"k_pre": torch.stack(pre) if len(pre) == kv.num_layers else kv.keys, "k_post": kv.keys, "v": kv.values}
     if "hidden" in kinds:
         out["hidden"] = kv.hidden_states[1:]  # [L, B, T, d]
