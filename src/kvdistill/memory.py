@@ -19,7 +19,8 @@ size, H*D query width, I MLP width, V vocabulary.
         a = 2 bytes under bf16/fp16 or with a 16-bit student, else 4. Per layer and token: both RMSNorms'
         inputs and outputs (4h), query and attention output (2*H*D), key and value in the layer and in the
         stacked cache the KV loss reads (4*H_kv*D), gate, up, SiLU(gate) and their product (4*I); per
-        token the logits plus the cross-entropy's fp32 upcast and log-softmax (V*(a + 8)). Not counted:
+        token the logits plus the cross-entropy's fp32 upcast and log-softmax (V*(a + 8)). key_space
+        hidden: the stacked hidden states (h) in place of the stacked cache's 2*H_kv*D. Not counted:
         attention scores (SDPA / flash attention store none), RMSNorm's fp32 temporaries, fragmentation.
     teacher weights      none: P_t * b(dtype)
                          4bit: P_lin * 0.5625 + (P_t - P_lin) * b(dtype)   NF4: 4 bits + an fp32 absmax per 64
@@ -32,7 +33,9 @@ size, H*D query width, I MLP width, V vocabulary.
         teacher_capture: no teacher weights are loaded.
     teacher outputs      2 * L * H_kv * D * B * T * b(dtype) (the KV cache of one micro-batch; every
                          teacher's, they live until the loss), + B*T*V*b(dtype) logits with
-                         logit_kd_weight > 0, + (L+1)*B*T*h*b(dtype) hidden states with codi_weight > 0
+                         logit_kd_weight > 0, + (L+1)*B*T*h*b(dtype) hidden states with codi_weight > 0;
+                         key_space hidden: (L+1)*B*T*h*b(dtype) in place of the cache (the hidden states
+                         stand as keys and values, one tensor, shared with CODI's)
     aligners             P_a * 4 + P_a_trainable * 12        fp32 weights; grads and two AdamW states
                                                          (CODI projectors included)
 
@@ -214,25 +217,29 @@ def kv_shape(dims: dict[str, int], B: int, T: int) -> list[int]:
     return [dims["L"], B, dims["H_kv"], T, dims["D"]]
 
 
-def teacher_output_bytes(c: Component, B: int, T: int, logits: bool, hidden: bool) -> int:
-    """One micro-batch of a teacher's outputs: K and V, + logits (logit KD), + hidden states (CODI)."""
+def teacher_output_bytes(c: Component, B: int, T: int, logits: bool, hidden: bool, key_space: str = "post_rope"
+                         ) -> int:
+    """One micro-batch of a teacher's outputs: K and V (key_space hidden: the hidden states), + logits
+    (logit KD), + hidden states (CODI; the same tensor under key_space hidden)."""
     cfg_t, b = text_config(c.model), nbytes(c.dtype)
     d = kv_dims(c.model)
-    total = 2 * d["L"] * d["H_kv"] * d["D"] * B * T * b  # K and V, [L, B, H_kv, T, D] each
+    states = (d["L"] + 1) * B * T * cfg_t.hidden_size * b  # [L+1, B, T, h]
+    total = states if key_space == "hidden" else 2 * d["L"] * d["H_kv"] * d["D"] * B * T * b  # K, V [L, B, H_kv, T, D]
     if logits:
         total += B * T * cfg_t.vocab_size * b  # [B, T, V]
-    if hidden:
-        total += (d["L"] + 1) * B * T * cfg_t.hidden_size * b  # [L+1, B, T, h]
+    if hidden and key_space != "hidden":
+        total += states
     return total
 
 
-def activation_bytes(c: Component, B: int, T: int, a: int) -> int:
+def activation_bytes(c: Component, B: int, T: int, a: int, key_space: str = "post_rope") -> int:
     """The student's stored activations, rough (formula in the module docstring)."""
     cfg, d = text_config(c.model), kv_dims(c.model)
     h, V = cfg.hidden_size, cfg.vocab_size
     inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * h  # GPT-2: n_inner or 4h
     q = cfg.num_attention_heads * d["D"]
-    per_layer = 4 * h + 2 * q + 4 * d["H_kv"] * d["D"] + 4 * inter  # values per token and layer
+    stacked = h if key_space == "hidden" else 2 * d["H_kv"] * d["D"]  # what the KV loss reads, stacked
+    per_layer = 4 * h + 2 * q + 2 * d["H_kv"] * d["D"] + stacked + 4 * inter  # values per token and layer
     return B * T * (d["L"] * per_layer * a + V * (a + 8))
 
 
@@ -244,7 +251,8 @@ def item(name: str, formula: str, value: float, counted: bool = True) -> dict[st
     return {"item": name, "formula": formula, "bytes": int(value), "gib": value / GIB, "counted": counted}
 
 
-def student_items(c: Component, mixed: str | None, B: int, T: int) -> list[dict[str, Any]]:
+def student_items(c: Component, mixed: str | None, B: int, T: int, key_space: str = "post_rope"
+                  ) -> list[dict[str, Any]]:
     """Weights, grads, AdamW, the autocast copy and the activations of the student."""
     P, b = param_count(c.model), nbytes(c.dtype)
     a = 2 if mixed or b == 2 else 4
@@ -256,8 +264,9 @@ def student_items(c: Component, mixed: str | None, B: int, T: int) -> list[dict[
     if mixed and b == 4:
         items.append(item(f"student {mixed} autocast copy", "P_s * 2 B", 2 * P))
     d = kv_dims(c.model)
-    formula = f"B*T*(L*(4h + 2*H*D + 4*H_kv*D + 4*I)*{a} + V*{a + 8}) B, L={d['L']}"
-    items.append(item("student activations (rough)", formula, activation_bytes(c, B, T, a)))
+    stacked = "2*H_kv*D + h" if key_space == "hidden" else "4*H_kv*D"
+    formula = f"B*T*(L*(4h + 2*H*D + {stacked} + 4*I)*{a} + V*{a + 8}) B, L={d['L']}"
+    items.append(item("student activations (rough)", formula, activation_bytes(c, B, T, a, key_space)))
     return items
 
 
@@ -274,7 +283,7 @@ def resident_teachers(teachers: list[Component], offload: bool, captured: bool) 
 
 
 def teacher_items(teachers: list[Component], B: int, T: int, *, logits: bool, hidden: bool, offload: bool,
-                  captured: bool) -> list[dict[str, Any]]:
+                  captured: bool, key_space: str = "post_rope") -> list[dict[str, Any]]:
     """Each teacher's weights (counted if resident) and one micro-batch of its outputs."""
     resident = resident_teachers(teachers, offload, captured)
     items = []
@@ -286,17 +295,18 @@ def teacher_items(teachers: list[Component], B: int, T: int, *, logits: bool, hi
         items.append(item(f"teacher {t.name} weights{where}", formula, weight_bytes(t), t.name in resident))
     for t in teachers:
         d, b = kv_dims(t.model), nbytes(t.dtype)
-        formula = f"2*{d['L']}*{d['H_kv']}*{d['D']}*B*T * {b} B"
+        states = f"(L+1)*B*T*h * {b} B"
+        formula = states if key_space == "hidden" else f"2*{d['L']}*{d['H_kv']}*{d['D']}*B*T * {b} B"
         formula += f" + B*T*V * {b} B" if logits else ""
-        formula += f" + (L+1)*B*T*h * {b} B" if hidden else ""
+        formula += f" + {states}" if hidden and key_space != "hidden" else ""
         items.append(item(f"teacher {t.name} outputs (1 micro-batch)", formula,
-                          teacher_output_bytes(t, B, T, logits, hidden)))
+                          teacher_output_bytes(t, B, T, logits, hidden, key_space)))
     return items
 
 
 def estimate(student: Component, teachers: list[Component], *, B: int, T: int, mixed: str | None, logits: bool,
              hidden: bool, offload: bool, captured: bool, aligner_params: int,
-             aligner_trainable: int) -> list[dict[str, Any]]:
+             aligner_trainable: int, key_space: str = "post_rope") -> list[dict[str, Any]]:
     """Every item of the module docstring for one micro-batch of B x T tokens; `total_gib` adds them up.
 
     Args:
@@ -304,9 +314,11 @@ def estimate(student: Component, teachers: list[Component], *, B: int, T: int, m
         logits, hidden: the teachers give logits (logit_kd_weight > 0) / hidden states (codi_weight > 0).
         offload, captured: teacher_offload, and teacher_capture set (no teacher weights load).
         aligner_params, aligner_trainable: parameters of every aligner and CODI projector, and how many train.
+        key_space: what the KV loss reads (hidden: the hidden states, not the cache).
     """
-    return [*student_items(student, mixed, B, T),
-            *teacher_items(teachers, B, T, logits=logits, hidden=hidden, offload=offload, captured=captured),
+    return [*student_items(student, mixed, B, T, key_space),
+            *teacher_items(teachers, B, T, logits=logits, hidden=hidden, offload=offload, captured=captured,
+                           key_space=key_space),
             item("aligners (fp32 weights + grads + AdamW)", "P_a * 4 B + P_a_trainable * 12 B",
                  4 * aligner_params + 12 * aligner_trainable)]
 

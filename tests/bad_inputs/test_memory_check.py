@@ -131,3 +131,18 @@ def test_the_estimate_on_a_hand_computed_pair():
     captured = estimate(student, [teacher], B=B, T=T, mixed=None, logits=False, hidden=False, offload=False,
                         captured=True, aligner_params=0, aligner_trainable=0)
     assert total_gib(captured) * GIB == pytest.approx(1448 * 16 + B * T * (2 * 128 * 4 + 32 * 12) + 2 * 3 * 4 * B * T * 2)
+
+
+def test_the_estimate_under_key_space_hidden_counts_hidden_states_not_the_cache():
+    # the KV loss reads hidden states: the teacher's [L+1, B, T, h] in place of its cache (once, though CODI reads
+    # them too), the student's stacked h in place of its stacked 2*H_kv*D; the student of the hand-computed test
+    # with h 12 (!= 2*H_kv*D = 8, so the two counts differ)
+    student = Component("student", "s", None, meta_llama(12, 16, 2, 2, 1, 4, 32), torch.float32)
+    teacher = Component("teacher", "t", None, meta_llama(4, 8, 3, 1, 1, 4, 16), torch.bfloat16)
+    B, T = 2, 3
+    got = {i["item"]: i["bytes"] for i in estimate(student, [teacher], B=B, T=T, mixed=None, logits=False, hidden=True,
+                                                   offload=False, captured=False, aligner_params=0,
+                                                   aligner_trainable=0, key_space="hidden")}
+    assert got["teacher t outputs (1 micro-batch)"] == (3 + 1) * B * T * 4 * 2  # (L+1)*B*T*h in bf16
+    # per layer and token 4h + 2*H*D + 2*H_kv*D + h + 4*I = 48 + 16 + 8 + 12 + 64 = 148, a = 4 in fp32
+    assert got["student activations (rough)"] == B * T * (2 * 148 * 4 + 32 * 12)

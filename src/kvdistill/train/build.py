@@ -161,7 +161,7 @@ def planned_memory(cfg: KVDistillConfig, comps: list[Component],
     return estimate(comps[0], comps[1:], B=micro_batch(cfg), T=cfg.max_length, mixed=mixed,
                     logits=cfg.logit_kd_weight > 0, hidden=cfg.codi_weight > 0, offload=offload,
                     captured=bool(cfg.teacher_capture), aligner_params=sum(c["total"] + codi for c, codi in counts),
-                    aligner_trainable=sum(c["trainable"] + codi for c, codi in counts))
+                    aligner_trainable=sum(c["trainable"] + codi for c, codi in counts), key_space=cfg.key_space)
 
 
 def _logit_teachers(tokenizer: Any, teachers: list[Teacher]) -> dict[str, LogitTeacher]:
