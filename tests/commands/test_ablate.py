@@ -210,6 +210,34 @@ def test_runner_report_and_resume_with_synthetic_runs(tmp_path):
         run_ablation(cfg, train_fn=fake2.train, eval_fn=fake2.eval, log=lambda s: None)
 
 
+def test_kept_records_resume_a_sweep_on_a_machine_without_its_outputs(tmp_path):
+    """scripts/keep_runs.sh keeps each evaluated run's records (no weights) and restores them into an empty
+    output_dir, where the same ablation trains nothing it had finished and reports the same numbers."""
+    _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0.1})
+    abl = _write_yaml(tmp_path / "ablation.yaml", {"base_config": "train.yaml", "output_dir": str(tmp_path / "out"),
+                                                    "seeds": [0, 1], "variants": ["baseline", "kv"],
+                                                    "n_resamples": 200})
+    fake = FakeRuns({"baseline": 0.3, "kv": 0.7})
+    first = run_ablation(load_ablation_config(abl), train_fn=fake.train, eval_fn=fake.eval, log=lambda s: None)
+    (tmp_path / "out" / "runs" / "kv" / "seed_0" / "model.safetensors").write_bytes(b"weights")
+    shutil.rmtree(tmp_path / "out" / "runs" / "kv" / "seed_1" / "eval")  # trained, not evaluated: not kept
+    script, record = Path(__file__).parents[2] / "scripts" / "keep_runs.sh", tmp_path / "record"
+    keep = subprocess.run(["bash", str(script), str(tmp_path / "out"), str(record)], capture_output=True, text=True)
+    assert keep.returncode == 0 and "kept 3 evaluated runs" in keep.stdout, keep.stderr
+    assert not list(record.rglob("model.safetensors")) and not (record / "runs" / "kv" / "seed_1").exists()
+    shutil.rmtree(tmp_path / "out")  # the next machine has none of it
+    back = subprocess.run(["bash", str(script), "--restore", str(tmp_path / "out"), str(record)], capture_output=True,
+                          text=True)
+    assert back.returncode == 0, back.stderr
+    again = FakeRuns(fake.acc)
+    second = run_ablation(load_ablation_config(abl), train_fn=again.train, eval_fn=again.eval, log=lambda s: None)
+    assert again.trained == [str(tmp_path / "out" / "runs" / "kv" / "seed_1")]  # only the run that was not kept
+    assert second["variants"]["kv"]["runs"] == first["variants"]["kv"]["runs"]
+    missing = subprocess.run(["bash", str(script), str(tmp_path / "nowhere"), str(record)], capture_output=True,
+                             text=True)
+    assert missing.returncode == 1 and "no preregistration.json" in missing.stderr
+
+
 def test_failed_run_raises_or_is_reported(tmp_path):
     _write_yaml(tmp_path / "train.yaml", {"student": "s", "teachers": [{"path": "t"}], "kv_weight": 0})
     abl = _write_yaml(
