@@ -612,6 +612,8 @@ def test_pool_workers_exit_when_the_ablation_is_killed(tmp_path):
             os.kill(worker, signal.SIGKILL)
 
 
+# ~26 s of worker start-ups; the pool itself stays in CI (test_pool_workers_exit_when_the_ablation_is_killed)
+@pytest.mark.extended
 def test_parallel_workers_give_the_same_numbers_as_one_process(tiny_world, tmp_path):
     """Two worker processes, one thread per run, the capture made in a worker while the baseline
     trains: each run's accuracy and losses equal the in-process run's."""
@@ -639,6 +641,8 @@ def test_parallel_workers_give_the_same_numbers_as_one_process(tiny_world, tmp_p
     assert results[1] == results[2]
 
 
+# ~13 s (five trainings and their captures); capture = live for one run stays in CI (tests/train/test_capture.py)
+@pytest.mark.extended
 def test_capture_trains_every_seed_from_one_capture_per_variant(tiny_world, tmp_path, capsys):
     """`capture: true`: the teachers run once per variant (per seed for the untrained control), once in
     all for variants that read them alike (the shuffled control links to the signal's capture); the

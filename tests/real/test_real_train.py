@@ -65,6 +65,8 @@ def test_real_pair_trains_reloads_and_generates(real_pair, data_dir, tmp_path, c
     assert gen.shape[1] > ids["input_ids"].shape[1] and tok.decode(gen[0, ids["input_ids"].shape[1]:]).strip()
 
 
+# three CLI runs of the real pair (~38 s); capture = live is tested on the tiny families in tests/train/test_capture.py
+@pytest.mark.extended
 def test_real_pair_from_a_capture_equals_the_live_teacher(real_pair, data_dir, tmp_path, capsys):
     kw = {"max_steps": 2, "logit_kd_weight": 0}  # 262,144-wide logits would make the capture 1 MB a token
     live = tmp_path / "live"

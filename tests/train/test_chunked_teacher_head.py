@@ -113,6 +113,7 @@ def test_teacher_cache_holds_final_hidden_states(base_args, tiny_world, tmp_path
 
 
 @pytest.mark.slow  # a 2-process launch (~40 s on 2 cores); the head path itself is tested in process above
+@pytest.mark.extended  # an extra multi-process check: DDP = one process stays in CI (tests/train/test_distributed.py)
 def test_two_process_ddp_with_teacher_heads_equals_one_process(base_args, tiny_world, launch, tmp_path):
     """2 ranks × 1 record × 2 accumulated micro-batches = 1 process × 4: the same logged losses with the
     teachers' heads chunked, the ranks' parameters equal, and one teacher-answer cache for both ranks
