@@ -1,7 +1,8 @@
-"""`kvdistill gen-data --task arithmetic|binding|modular`: the splits each task writes, loadable as
+"""`kvdistill gen-data --task arithmetic|binding|modular|facts`: the splits each task writes, loadable as
 training data, deterministic; its knobs in --help; impossible or foreign knobs refused in one line."""
 
 import json
+import re
 
 import pytest
 
@@ -12,6 +13,7 @@ SMALL = {
     "arithmetic": ["--n_train", "20", "--n_dev", "5", "--n_test", "5"],
     "binding": ["--n_pool", "40", "--n_train", "10", "--n_dev", "5", "--n_teacher_dev", "5", "--n_test", "5"],
     "modular": ["--modulus", "13", "--n_dev", "5", "--n_teacher_dev", "5", "--n_test", "5"],
+    "facts": ["--entities", "10"],
 }
 SPLITS = {
     "arithmetic": {"train": 20, "dev": 5, "test": 5},
@@ -19,6 +21,7 @@ SPLITS = {
                 "other_task_dev": 5},
     "modular": {"teacher_pool": round(0.9 * 13 * 13), "train": round(0.35 * 13 * 13), "dev": 5, "teacher_dev": 5,
                 "test": 5, "other_task": round(0.9 * 13 * 13), "other_task_dev": 5},
+    "facts": {"train": 20, "dev": 5, "test": 5, "every_fact": 30},  # 10 entities x 3 facts, one each held out
 }
 
 
@@ -37,7 +40,7 @@ def test_writes_each_tasks_splits_loadable_and_deterministic(task, tmp_path):
     for split, n in SPLITS[task].items():
         recs = load_records(out, split, require_final=True)
         assert len(recs) == n
-        if split not in ("train", "other_task", "other_task_dev"):  # train is the pool's subset
+        if split not in ("train", "other_task", "other_task_dev", "every_fact"):  # subsets of other splits
             assert not questions & {r["question"] for r in recs}, split
             questions |= {r["question"] for r in recs}
         assert task == "arithmetic" or all(r["token_fields"] for r in recs)
@@ -70,12 +73,37 @@ def test_help_lists_every_tasks_knobs(capsys):
     (["--task", "arithmetic", "--modulus", "13"], "--modulus is an option of --task modular"),
     (["--task", "sorting"], "task 'sorting' is not one of"),
     (["--task", "text", "--source", "/nonexistent"], "no .txt files there"),
+    (["--task", "facts", "--entities", "10", "--n_dev", "6", "--n_test", "5"], "raise --entities or ask for fewer"),
+    (["--task", "facts", "--attributes", "1"], "attributes must be in 2..6"),
+    (["--task", "binding", "--entities", "10"], "--entities is an option of --task facts, not of binding"),
 ])
 def test_impossible_knobs_are_one_line_errors_and_write_nothing(argv, message, tmp_path, capsys):
     assert main(["gen-data", "--output_dir", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not list(tmp_path.glob("out/*.jsonl"))
+
+
+def test_facts_sheet_holds_every_answer_and_no_test_fact_is_trained(tmp_path):
+    out = gen(tmp_path, "facts", "--attributes", "4")
+    sheet = {name: dict(f.split(" ") for f in facts.rstrip(".").split(", "))
+             for name, facts in (line.split(": ") for line in (out / "sheet.txt").read_text().splitlines())}
+    assert len(sheet) == 10 and all(len(v) == 4 for v in sheet.values())
+
+    def fact(r):  # "What is Tova's desk?" -> ("Tova", "desk"), checked against the sheet
+        name, attribute = re.fullmatch(r"What is (\w+)'s (\w+)\?", r["question"]).groups()
+        assert r["answer"] == f"#### {sheet[name][attribute]}"
+        return name, attribute
+
+    splits = {s: [fact(r) for r in load_records(out, s)] for s in ("train", "dev", "test", "every_fact")}
+    assert len(splits["train"]) == 30 and sorted(splits["every_fact"]) == sorted({*splits["every_fact"]})
+    held = splits["dev"] + splits["test"]  # one held-out fact per entity, never trained
+    assert sorted(n for n, _ in held) == sorted(sheet) and not set(held) & set(splits["train"])
+    assert set(splits["train"]) | set(held) == set(splits["every_fact"])
+    held_digit = {n: sheet[n][a] for n, a in held}
+    for r in map(json.loads, (out / "train.jsonl").read_text().splitlines()):  # the name's row carries the entity's held-out digit (the probe's target)
+        (start, end, digit), = r["token_fields"]["held"]
+        assert str(digit) == held_digit[r["question"][start:end]]
 
 
 def test_arithmetic_dev_is_disjoint_even_where_problems_are_few(tmp_path):

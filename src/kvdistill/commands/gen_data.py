@@ -9,6 +9,8 @@ Tasks (docs/tasks.md):
               `labelled` of the table, dev and test ask pairs without a label, other_task is `a*b mod p`
   text        real text, not generated: windows of local text files (default Debian's git release notes),
               each file in one split (`lab/tasks/corpus.py`); text-format records (LM loss on every token)
+  facts       questions about a fixed fact sheet (`What is Tova's desk?` -> `#### 7`) that only a teacher's
+              template holds (`sheet.txt`): train, dev and test (facts held out of train), every_fact
 
 Every option names its task in `--help` ([binding] ...); setting one of another task is refused.
 `task.json` beside the splits records the options and the split sizes.
@@ -22,10 +24,10 @@ from pathlib import Path
 
 from kvdistill.config import ConfigError, check_output_dir, option, parse_config
 from kvdistill.io import write_json_atomic
-from kvdistill.lab.tasks import binding, corpus, modular
+from kvdistill.lab.tasks import binding, corpus, facts, modular
 from kvdistill.synthetic import OPS, generate_problems, make_splits, write_jsonl
 
-TASKS = ("arithmetic", "binding", "modular", "text")
+TASKS = ("arithmetic", "binding", "modular", "text", "facts")
 
 
 def knob(default, help: str, *tasks: str):
@@ -47,8 +49,9 @@ class GenDataConfig:
                                     aliases=["--out"])
     task: str = option("arithmetic", f"Which task: {', '.join(TASKS)}.")
     seed: int = option(0, "Generator seed.")
-    n_dev: int = option(200, "Dev problems (settings and budgets are chosen on them; never on test).")
-    n_test: int = option(500, "Test problems.")
+    n_dev: int | None = option(None, "Dev problems (settings and budgets are chosen on them; never on test); "
+                               "default 200, facts: held-out facts of half the entities.")
+    n_test: int | None = option(None, "Test problems; default 500, facts: the other entities' held-out facts.")
     n_train: int = knob(2000, "Training problems (binding: the student's labelled subset of the pool; text: "
                         "windows).", "arithmetic", "binding", "text")
     min_steps: int = knob(2, "Fewest arithmetic steps per problem.", "arithmetic")
@@ -79,6 +82,9 @@ class GenDataConfig:
     source: str = knob(str(corpus.GIT_RELNOTES), "A directory of .txt files (or one file) to cut into windows.",
                        "text")
     window_chars: int = knob(1000, "Most characters per window (paragraphs packed whole where they fit).", "text")
+    entities: int = knob(30, "Entities on the sheet (one line each; one fact of each is held out of train).",
+                         "facts")
+    attributes: int = knob(3, f"Digits per entity, the first N of {facts.ATTRIBUTES}.", "facts")
     repeats: int = knob(1, "Times each training pair is asked (with other contexts) in train and teacher_pool.",
                         "modular")
 
@@ -92,6 +98,11 @@ class GenDataConfig:
             if tasks and self.task not in tasks and getattr(self, f.name) != f.default:
                 raise ConfigError(f"--{f.name} is an option of --task {'/'.join(tasks)}, not of {self.task}; "
                                   "drop it or pick that task")
+        if self.task == "facts":  # the held-out facts, one per entity, split between dev and test
+            self.n_dev = self.entities // 2 if self.n_dev is None else self.n_dev
+            self.n_test = self.entities - self.n_dev if self.n_test is None else self.n_test
+        self.n_dev = 200 if self.n_dev is None else self.n_dev
+        self.n_test = 500 if self.n_test is None else self.n_test
         counts = ("n_train", "n_dev", "n_test", "n_pool", "n_teacher_dev", "n_recall")
         if bad := [n for n in counts if getattr(self, n) < 0]:
             raise ConfigError(f"{', '.join(bad)} must be >= 0")
@@ -110,6 +121,9 @@ class GenDataConfig:
                 modular.check_knobs(p=self.modulus, op=self.op, labelled=self.labelled,
                                     teacher_fraction=self.teacher_fraction, min_equations=self.min_equations,
                                     max_equations=self.max_equations)
+            elif self.task == "facts":
+                facts.check_knobs(entities=self.entities, attributes=self.attributes, n_dev=self.n_dev,
+                                  n_test=self.n_test)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
@@ -132,6 +146,9 @@ def make_task_splits(cfg: GenDataConfig) -> dict[str, list[dict]]:
             labelled=cfg.labelled, teacher_fraction=cfg.teacher_fraction, min_equations=cfg.min_equations,
             max_equations=cfg.max_equations, repeats=cfg.repeats, other_task=cfg.other_task, seed=cfg.seed,
         )
+    if cfg.task == "facts":
+        return facts.make_splits(entities=cfg.entities, attributes=cfg.attributes, n_dev=cfg.n_dev,
+                                 n_test=cfg.n_test, seed=cfg.seed)
     knobs = dict(min_steps=cfg.min_steps, max_steps=cfg.max_steps, max_value=cfg.max_value, ops=cfg.ops.split(","))
     train, test = make_splits(cfg.n_train, cfg.n_test, cfg.seed, **knobs)
     dev = generate_problems(cfg.n_dev, cfg.seed + 2_000_006, exclude=[r["question"] for r in train + test], **knobs)
@@ -166,6 +183,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(str(err)) from None
     for name, records in splits.items():
         write_jsonl(records, out / f"{name}.jsonl")
+    if cfg.task == "facts":  # what the teacher's template holds; the records never do
+        (out / "sheet.txt").write_text(facts.sheet(entities=cfg.entities, attributes=cfg.attributes,
+                                                   seed=cfg.seed) + "\n")
     sizes = {name: len(records) for name, records in splits.items()}
     write_json_atomic(out / "task.json", {"options": options, "splits": sizes})
     print(f"wrote {cfg.task}: " + ", ".join(f"{name} {n}" for name, n in sizes.items()) + f" to {out}")
