@@ -3,11 +3,15 @@ training data, deterministic; its knobs in --help; impossible or foreign knobs r
 
 import json
 import re
+from pathlib import Path
 
 import pytest
+import yaml
 
 from kvdistill.cli import main
 from kvdistill.data import load_records
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = {
     "arithmetic": ["--n_train", "20", "--n_dev", "5", "--n_test", "5"],
@@ -104,6 +108,15 @@ def test_facts_sheet_holds_every_answer_and_no_test_fact_is_trained(tmp_path):
     for r in map(json.loads, (out / "train.jsonl").read_text().splitlines()):  # the name's row carries the entity's held-out digit (the probe's target)
         (start, end, digit), = r["token_fields"]["held"]
         assert str(digit) == held_digit[r["question"][start:end]]
+
+
+def test_the_facts_configs_hold_the_sheet_of_data_seed_0(tmp_path):
+    """configs/evidence_real/facts_*.yaml inline the sheet their data's teacher reads: a generator change fails here."""
+    assert main(["gen-data", "--task", "facts", "--output_dir", str(tmp_path)]) == 0
+    sheet = (tmp_path / "sheet.txt").read_text()
+    for name in ("facts_probe", "facts_teacher_eval"):
+        config = yaml.safe_load((ROOT / "configs" / "evidence_real" / f"{name}.yaml").read_text())
+        assert config["template"].startswith(sheet + "\n"), name
 
 
 def test_arithmetic_dev_is_disjoint_even_where_problems_are_few(tmp_path):

@@ -12,9 +12,10 @@ on the questions it is trained on (the teacher's cache at the entity's name, say
 Chance is 0.1: no digit of the answer is in the student's input.
 
 Per-token fields (`kvdistill.fields`), character spans of the question:
-    value  the digit asked for, on the entity's name and on the attribute (the probe's target)
-    held   the entity's held-out digit, on its name (does the name's row carry the fact not asked?)
-    name   1 on the entity's name (a row mask)
+    value      the digit asked for, on the entity's name and on the attribute (the probe's target)
+    held       the entity's held-out digit, on its name (does the name's row carry the fact not asked?)
+    name       1 on the entity's name (a row mask)
+    attribute  1 on the attribute asked (a row mask: where a reader of the sheet can know the answer)
 
 Splits: train (every fact but the held-out ones), dev, test (held-out facts, of distinct entities),
 every_fact (each fact asked once, for probes; never a training split). `sheet(...)` is the text
@@ -61,7 +62,7 @@ def question(name: str, digits: list[int], held: int, attribute: int) -> dict:
     """The record asking `name`'s `attribute`."""
     value = digits[attribute]
     text, fields = spell(["What is ", (name, {"value": value, "held": digits[held], "name": 1}), "'s ",
-                          (ATTRIBUTES[attribute], {"value": value}), "?"])
+                          (ATTRIBUTES[attribute], {"value": value, "attribute": 1}), "?"])
     return {"question": text, "answer": f"#### {value}", "token_fields": fields}
 
 
