@@ -22,7 +22,8 @@ OURS = sorted(p for p in CONFIGS.glob("**/*.yaml") if not {"accelerate", "lm_eva
 ABLATIONS = [p for p in OURS if "base_config" in (yaml.safe_load(p.read_text()) or {})]
 DEMO_SETTINGS = [p for p in OURS if p.name == "demo.yaml"]  # `demo --task`'s settings (kvdistill.lab.regimes)
 PROBES = [p for p in OURS if p.stem.endswith(("probe", "probe_plain"))]  # `kvdistill probe --config`
-TRAIN_YAMLS = [p for p in OURS if p not in ABLATIONS + DEMO_SETTINGS + PROBES]
+EVALS = [p for p in OURS if p.stem.endswith("_eval")]  # `kvdistill eval --config`
+TRAIN_YAMLS = [p for p in OURS if p not in ABLATIONS + DEMO_SETTINGS + PROBES + EVALS]
 
 
 def _check_train_config(cfg: dict, where: str) -> None:
@@ -56,6 +57,15 @@ def test_probe_configs_parse(path):
     cfg = yaml.safe_load(path.read_text())
     assert not set(cfg) - {f.name for f in fields(ProbeConfig)}, f"{path}: unknown probe options"
     assert ProbeConfig(**cfg).output_dir
+
+
+@pytest.mark.parametrize("path", EVALS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_eval_configs_parse(path):
+    from kvdistill.commands.eval import EvalConfig
+
+    cfg = yaml.safe_load(path.read_text())
+    assert not set(cfg) - {f.name for f in fields(EvalConfig)}, f"{path}: unknown eval options"
+    assert EvalConfig(**cfg).output_dir
 
 
 @pytest.mark.parametrize("path", ABLATIONS, ids=lambda p: str(p.relative_to(CONFIGS)))
