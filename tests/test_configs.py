@@ -50,22 +50,16 @@ def test_demo_settings_keys_exist(path):
         check_data(path.parent.name, read_settings(path, quick=quick).data)
 
 
-@pytest.mark.parametrize("path", PROBES, ids=lambda p: str(p.relative_to(CONFIGS)))
-def test_probe_configs_parse(path):
+@pytest.mark.parametrize("path", PROBES + EVALS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_command_configs_parse(path):
+    """`kvdistill probe --config` and `kvdistill eval --config` files name only their command's options."""
+    from kvdistill.commands.eval import EvalConfig
     from kvdistill.commands.probe import ProbeConfig
 
+    config = ProbeConfig if path in PROBES else EvalConfig
     cfg = yaml.safe_load(path.read_text())
-    assert not set(cfg) - {f.name for f in fields(ProbeConfig)}, f"{path}: unknown probe options"
-    assert ProbeConfig(**cfg).output_dir
-
-
-@pytest.mark.parametrize("path", EVALS, ids=lambda p: str(p.relative_to(CONFIGS)))
-def test_eval_configs_parse(path):
-    from kvdistill.commands.eval import EvalConfig
-
-    cfg = yaml.safe_load(path.read_text())
-    assert not set(cfg) - {f.name for f in fields(EvalConfig)}, f"{path}: unknown eval options"
-    assert EvalConfig(**cfg).output_dir
+    assert not set(cfg) - {f.name for f in fields(config)}, f"{path}: unknown {config.__name__} options"
+    assert config(**cfg).output_dir
 
 
 @pytest.mark.parametrize("path", ABLATIONS, ids=lambda p: str(p.relative_to(CONFIGS)))
