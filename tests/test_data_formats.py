@@ -141,6 +141,8 @@ def test_records_from_a_datasets_object(tmp_path):
     ({"prompt": "hi", "completion": ""}, "empty 'completion'"),
     ({"text": "   "}, "its 'text' is empty"),
     ({"text": "abc", "token_fields": {"v": [[0, 1, 2]]}}, "token_fields"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+      "token_fields": {"v": [[0, 1, 2]]}}, "a messages record has none"),
 ])
 def test_bad_records_are_one_line_data_errors(tmp_path, row, expect):
     with pytest.raises(DataError, match=expect) as err:
@@ -181,6 +183,41 @@ def test_standard_prompt_completion_is_the_text_as_given(toks, name):
     assert _learned(tok, enc) == " cat" + tok.eos_token
     assert format_example(rec).prompt_end == len(rec["prompt"])
     assert prompt_reads(tok, {}, example=rec) == "prompts: every reader reads the prompt_completion records' text as given"
+
+
+def test_token_fields_of_a_standard_prompt_load_and_land_on_its_tokens(toks, tmp_path):
+    """token_fields are character spans of a standard prompt as of a question (`fields.py`): they load, and
+    the tokens over a span carry its value under any reader's prompt template, nowhere else."""
+    row = {"prompt": "Rada: ", "completion": "7", "token_fields": {"value": [[0, 4, 7]], "query": [[4, 6, 1]]}}
+    rec, = load_records(_write(tmp_path, [row]))
+    assert rec["token_fields"] == (("query", ((4, 6, 1),)), ("value", ((0, 4, 7),)))
+    tok = toks["bpe"]
+    for own in (None, "Bram: 3\nTova: 5\n{question}"):
+        enc = tokenize_example(tok, rec, own_template=own)
+        text = format_example(rec, own_template=own).text
+        lo = text.rindex("Rada")
+        spans = tok(text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+        on_name = torch.tensor([s < lo + 4 and e > lo for s, e in spans] + [False])  # + the EOS
+        assert (enc["field:value"][on_name] == 7).all() and (enc["field:value"][~on_name] != 7).all()
+        assert (enc["field:query"] == 1).sum() >= 1 and (enc["field:query"][on_name] != 1).all()
+
+
+def test_a_teachers_template_wraps_a_standard_prompt(toks):
+    """`{question}` is the prompt: the teacher's text is its template around it, the completion learned after
+    it; the prompt and completion map onto the plain text, the template's own characters are UNSHARED.
+    Text and conversational records have no prompt to wrap: one line."""
+    rec = {"prompt": "Rada: ", "completion": "7"}
+    f = format_example(rec, own_template="Rada: 7\n{question}")
+    assert f.text == "Rada: 7\nRada: 7" and f.prompt_end == len("Rada: 7\nRada: ")
+    assert f.shared.tolist() == [UNSHARED] * 8 + list(range(7))
+    enc = tokenize_example(toks["bpe"], rec, own_template="Rada: 7\n{question}")
+    assert _learned(toks["bpe"], enc) == "7" + toks["bpe"].eos_token
+    assert (enc["char_ends"] == UNSHARED).any() and enc["char_ends"].max() == len("Rada: 7") - 1
+    for bad in ({"text": "abc"}, {"prompt": CHAT[:4], "completion": CHAT[4:]}):
+        with pytest.raises(DataError, match="drop the teacher's template"):
+            format_example(bad, own_template="x {question}")
+    assert prompt_reads(toks["bpe"], {}, example=rec, own_templates={"t": "S\n{question}"}).endswith(
+        "; teacher t reads its own template 'S\\n{question}' around the prompt")
 
 
 def test_plain_rendering_of_a_conversation(toks):

@@ -380,14 +380,14 @@ def format_example(
     The other formats (docs/data.md): prompt/completion is `prompt + completion` (the completion is the
     answer segment), text is all answer, and a conversation is `tokenizer`'s chat template if it has one
     (whatever `use_chat_template` says: conversational data is written for it), else the plain rendering;
-    `template` and `####` mean nothing to them.
+    `template` and `####` mean nothing to them. `own_template` wraps a standard prompt as it wraps a question.
     """
     fmt = record_format(record)
     if fmt != formats.QUESTION_ANSWER:
         if rationale_field is not None:
             raise DataError(f"rationale_field {rationale_field!r} replaces a question_answer record's rationale; "
                             f"a {fmt} record has none: drop the teacher's rationale_field")
-        return _format_other(record, fmt, tokenizer)
+        return _format_other(record, fmt, tokenizer, own_template)
     rationale, final = split_answer(str(record["answer"]))
     if rationale_field is not None:
         if rationale_field not in record:
@@ -409,13 +409,21 @@ def format_example(
     return Formatted(text, len(prompt), len(prompt) + len(reasoning), shared)
 
 
-def _format_other(record: Mapping[str, Any], fmt: str, tokenizer: Any) -> Formatted:
-    """A messages, prompt/completion or text record as `Formatted` (its learned text is the answer segment)."""
+def _format_other(record: Mapping[str, Any], fmt: str, tokenizer: Any, own_template: str | None = None
+                  ) -> Formatted:
+    """A messages, prompt/completion or text record as `Formatted` (its learned text is the answer segment).
+    `own_template` wraps a standard prompt as it wraps a question (`{question}` is the prompt)."""
+    if own_template is not None and (fmt == formats.TEXT or formats.is_conversational(record)):
+        raise DataError(f"a teacher's template wraps a question or a standard prompt; a {fmt} record has neither "
+                        "(a conversation is read through each reader's chat template): drop the teacher's template")
     if fmt == formats.TEXT:
         return Formatted(str(record["text"]), 0, 0)
     if not formats.is_conversational(record):  # standard prompt/completion: the texts joined as given (as TRL)
-        prompt = str(record["prompt"])
-        return Formatted(prompt + str(record["completion"]), len(prompt), len(prompt))
+        plain = str(record["prompt"])
+        prompt = plain if own_template is None else own_template.format(question=plain)
+        text = prompt + str(record["completion"])
+        shared = None if prompt == plain else shared_chars(prompt, plain, plain, len(text))
+        return Formatted(text, len(prompt), len(prompt), shared)
     messages, learned = formats.conversation(record)
     if _has_template(tokenizer):
         r = formats.render_chat(tokenizer, messages, learned)
@@ -428,6 +436,11 @@ def _format_other(record: Mapping[str, Any], fmt: str, tokenizer: Any) -> Format
     for start, end in r.learned:
         seg[start:end] = ANSWER
     return Formatted(r.text, r.learned[0][0], r.learned[0][0], shared, seg)
+
+
+def prompt_text(record: Mapping[str, Any]) -> str:
+    """What a prompt template wraps and `token_fields` spans are relative to: the question, or a standard prompt."""
+    return str(record["question"] if "question" in record else record["prompt"])
 
 
 def _has_template(tokenizer: Any) -> bool:
@@ -490,12 +503,13 @@ def prompt_reads(student: Any, teachers: Mapping[str, Any], template: str = DEFA
     each reader's chat template whatever `use_chat_template` says, other formats are read as given.
     `own_templates`: teacher name -> the prompt template it reads instead of `template` (`format_example`)."""
     fallback = f"prompt_template {template!r}"
+    own_templates = own_templates or {}
     if example is not None and formats.is_conversational(example):
         use_chat_template, fallback = True, "the plain rendering ('Role: content' lines)"
     elif example is not None and record_format(example) != formats.QUESTION_ANSWER:
-        return f"prompts: every reader reads the {record_format(example)} records' text as given"
-
-    own_templates = own_templates or {}
+        given = f"prompts: every reader reads the {record_format(example)} records' text as given"
+        return given + "".join(f"; teacher {n} reads its own template {t!r} around the prompt"
+                               for n, t in own_templates.items())
 
     def reads(tok: Any, name: str | None = None) -> str:
         own = own_templates.get(name)
@@ -560,7 +574,7 @@ def tokenize_example(
     if record.get(token_fields.FIELD_KEY):
         try:
             per_token = token_fields.tokens_of(token_fields.freeze(record[token_fields.FIELD_KEY]), f.text,
-                                               str(record["question"]), ends, f.prompt_end)
+                                               prompt_text(record), ends, f.prompt_end)
         except ValueError as err:
             raise DataError(str(err)) from None
         ignore = torch.full((len(ids) - len(ends),), token_fields.IGNORE)  # the appended EOS

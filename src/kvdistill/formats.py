@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvdistill import fields as token_fields
 from kvdistill.config import UserError
 
 QUESTION_ANSWER, MESSAGES, PROMPT_COMPLETION, TEXT = "question_answer", "messages", "prompt_completion", "text"
@@ -125,10 +126,10 @@ def to_record(where: str, row: Mapping[str, Any], fmt: str, fmap: Mapping[str, s
     for theirs in fmap.values():
         if row.get(theirs) is None:
             raise DataError(f"{where} has no {theirs!r} value; give every record one (or remove that record)")
-    if row.get("token_fields") is not None:
-        raise DataError(f"{where} has token_fields: they are character spans of a question, which only the "
-                        f"question_answer format has; drop the column or use that format")
     value = {ours: row[theirs] for ours, theirs in fmap.items()}
+    if row.get(token_fields.FIELD_KEY) is not None and not (fmt == PROMPT_COMPLETION and isinstance(value["prompt"], str)):
+        raise DataError(f"{where} has token_fields: they are character spans of a question or of a standard "
+                        f"prompt, which a {fmt} record has none of; drop the column or use one of those formats")
     if fmt == MESSAGES:
         msgs = messages_of(value["messages"], where, fmap["messages"])
         learned = [i for i, (role, _) in enumerate(msgs) if role == "assistant"]
@@ -146,7 +147,13 @@ def to_record(where: str, row: Mapping[str, Any], fmt: str, fmap: Mapping[str, s
             if not completion.strip():
                 raise DataError(f"{where} has an empty {fmap['completion']!r}; give every record a completion "
                                 "(or remove that record)")
-            return {"prompt": prompt, "completion": completion}
+            out = {"prompt": prompt, "completion": completion}
+            if row.get(token_fields.FIELD_KEY) is not None:  # spans of the prompt (`fields.py`) travel with it
+                try:
+                    out[token_fields.FIELD_KEY] = token_fields.freeze(row[token_fields.FIELD_KEY], where)
+                except ValueError as err:
+                    raise DataError(str(err)) from None
+            return out
         if isinstance(prompt, str) or isinstance(completion, str):
             raise DataError(f"{where}: {fmap['prompt']!r} and {fmap['completion']!r} must both be strings "
                             "(standard) or both lists of {role, content} messages (conversational)")

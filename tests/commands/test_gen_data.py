@@ -78,7 +78,8 @@ def test_help_lists_every_tasks_knobs(capsys):
     (["--task", "sorting"], "task 'sorting' is not one of"),
     (["--task", "text", "--source", "/nonexistent"], "no .txt files there"),
     (["--task", "facts", "--entities", "10", "--n_dev", "6", "--n_test", "5"], "raise --entities or ask for fewer"),
-    (["--task", "facts", "--attributes", "1"], "attributes must be in 2..6"),
+    (["--task", "facts", "--attributes", "7"], "attributes must be in 1..6"),
+    (["--task", "facts", "--attributes", "1", "--n_dev", "3"], "with one attribute nothing is held out"),
     (["--task", "binding", "--entities", "10"], "--entities is an option of --task facts, not of binding"),
 ])
 def test_impossible_knobs_are_one_line_errors_and_write_nothing(argv, message, tmp_path, capsys):
@@ -110,6 +111,27 @@ def test_facts_sheet_holds_every_answer_and_no_test_fact_is_trained(tmp_path):
         assert str(digit) == held_digit[r["question"][start:end]]
 
 
+def test_recall_asks_every_sheet_line_as_a_prompt_completion_record(tmp_path):
+    """--attributes 1: the sheet is `Name: digit` lines; train asks each once (shuffled), every_fact in sheet
+    order, with_sheet with the sheet before it; fields `value` on the name and ": ", `query` on the ": "."""
+    out = gen(tmp_path, "facts", "--attributes", "1")
+    lines = (out / "sheet.txt").read_text().splitlines()
+    sheet = dict(line.split(": ") for line in lines)
+    assert json.loads((out / "task.json").read_text())["splits"] == {"train": 10, "every_fact": 10, "with_sheet": 10}
+    splits = {s: load_records(out, s) for s in ("train", "every_fact", "with_sheet")}
+    assert [r["prompt"] + r["completion"] for r in splits["every_fact"]] == lines
+    assert sorted(r["prompt"] for r in splits["train"]) == sorted(r["prompt"] for r in splits["every_fact"])
+    assert [r["prompt"] for r in splits["train"]] != [r["prompt"] for r in splits["every_fact"]]
+    for plain, full in zip(splits["every_fact"], splits["with_sheet"]):
+        assert full["prompt"] == "\n".join(lines) + "\n" + plain["prompt"] and full["completion"] == plain["completion"]
+        name = plain["prompt"][:-2]
+        fields = dict(full["token_fields"])
+        (start, end, value), = fields["value"][:1]
+        assert full["prompt"][start:end] == name and str(value) == sheet[name] == plain["completion"]
+        (q0, q1, _), = fields["query"]
+        assert full["prompt"][q0:q1] == ": " and q1 == len(full["prompt"])
+
+
 def test_the_facts_configs_hold_the_sheet_of_data_seed_0(tmp_path):
     """configs/evidence_real/facts_*.yaml inline the sheet their data's teacher reads: a generator change fails here."""
     assert main(["gen-data", "--task", "facts", "--output_dir", str(tmp_path)]) == 0
@@ -117,6 +139,12 @@ def test_the_facts_configs_hold_the_sheet_of_data_seed_0(tmp_path):
     for name in ("facts_probe", "facts_teacher_eval"):
         config = yaml.safe_load((ROOT / "configs" / "evidence_real" / f"{name}.yaml").read_text())
         assert config["template"].startswith(sheet + "\n"), name
+    assert main(["gen-data", "--task", "facts", "--attributes", "1", "--entities", "32",
+                 "--output_dir", str(tmp_path / "recall")]) == 0
+    sheet = (tmp_path / "recall" / "sheet.txt").read_text()
+    config = yaml.safe_load((ROOT / "configs" / "evidence_real" / "recall_student.yaml").read_text())
+    templates = [t["template"] for t in config["teachers"] if "template" in t]
+    assert templates == [sheet + "{question}"]  # sheet.txt ends in a newline
 
 
 def test_arithmetic_dev_is_disjoint_even_where_problems_are_few(tmp_path):

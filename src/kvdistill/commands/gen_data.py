@@ -10,7 +10,8 @@ Tasks (docs/tasks.md):
   text        real text, not generated: windows of local text files (default Debian's git release notes),
               each file in one split (`lab/tasks/corpus.py`); text-format records (LM loss on every token)
   facts       questions about a fixed fact sheet (`What is Tova's desk?` -> `#### 7`) that only a teacher's
-              template holds (`sheet.txt`): train, dev and test (facts held out of train), every_fact
+              template holds (`sheet.txt`): train, dev and test (facts held out of train), every_fact;
+              with --attributes 1 `Tova: ` -> `7` prompt/completion records: train, every_fact, with_sheet
 
 Every option names its task in `--help` ([binding] ...); setting one of another task is refused.
 `task.json` beside the splits records the options and the split sizes.
@@ -84,7 +85,8 @@ class GenDataConfig:
     window_chars: int = knob(1000, "Most characters per window (paragraphs packed whole where they fit).", "text")
     entities: int = knob(30, "Entities on the sheet (one line each; one fact of each is held out of train).",
                          "facts")
-    attributes: int = knob(3, f"Digits per entity, the first N of {facts.ATTRIBUTES}.", "facts")
+    attributes: int = knob(3, f"Digits per entity, the first N of {facts.ATTRIBUTES}; 1: key -> value lines, "
+                           "prompt/completion records, nothing held out (recall).", "facts")
     repeats: int = knob(1, "Times each training pair is asked (with other contexts) in train and teacher_pool.",
                         "modular")
 
@@ -98,9 +100,10 @@ class GenDataConfig:
             if tasks and self.task not in tasks and getattr(self, f.name) != f.default:
                 raise ConfigError(f"--{f.name} is an option of --task {'/'.join(tasks)}, not of {self.task}; "
                                   "drop it or pick that task")
-        if self.task == "facts":  # the held-out facts, one per entity, split between dev and test
-            self.n_dev = self.entities // 2 if self.n_dev is None else self.n_dev
-            self.n_test = self.entities - self.n_dev if self.n_test is None else self.n_test
+        if self.task == "facts":  # the held-out facts, one per entity, split between dev and test (none in recall)
+            held = self.entities if self.attributes > 1 else 0
+            self.n_dev = held // 2 if self.n_dev is None else self.n_dev
+            self.n_test = max(held - self.n_dev, 0) if self.n_test is None else self.n_test
         self.n_dev = 200 if self.n_dev is None else self.n_dev
         self.n_test = 500 if self.n_test is None else self.n_test
         counts = ("n_train", "n_dev", "n_test", "n_pool", "n_teacher_dev", "n_recall")

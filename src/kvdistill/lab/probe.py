@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from kvdistill import fields as token_fields
 from kvdistill.cache import ANSWER, PROMPT, REASONING, capture_pre_rope_keys, forward_with_kv
-from kvdistill.data import DEFAULT_TEMPLATE, DataError, DistillCollator, format_example
+from kvdistill.data import DEFAULT_TEMPLATE, DataError, DistillCollator, format_example, prompt_text
 from kvdistill.fields import IGNORE
 from kvdistill.models import model_device
 
@@ -120,8 +120,9 @@ def with_text_fields(record: Mapping[str, Any], template: str = DEFAULT_TEMPLATE
     without one gets it empty (no rows there) so that every record of a batch has the same fields.
     """
     f = format_example(record, template, tokenizer if use_chat_template else None)
-    question = str(record["question"])
-    final = f.text[f.reasoning_end:].partition("####")[2].strip()
+    question = prompt_text(record)
+    answer = f.text[f.reasoning_end:]  # a prompt/completion record's completion is all final answer
+    final = (answer.partition("####")[2] if "question" in record else answer).strip()
     fields = dict(token_fields.freeze(record.get(token_fields.FIELD_KEY) or {}))
     fields.update({name: () for name in need if name not in fields})
     fields.update(text_spans(f.text, f.text.rfind(question, 0, f.prompt_end), final))  # after any few-shot prefix

@@ -399,13 +399,13 @@ def cache_key(cfg: KVDistillConfig, teacher: Teacher) -> tuple:
 
 
 def head_hidden(cfg: KVDistillConfig, teacher: Teacher) -> bool:
-    """A same-vocab teacher gives its final hidden states `[B, T, d]` and head instead of its logits when the
+    """A teacher with logit KD gives its final hidden states `[B, T, d]` and head instead of its logits when the
     run's head losses are chunked (`resolve_chunk_tokens` of a full micro-batch, transfer records included, > 0),
     so no `[B, T, V]` tensor is made (a smaller batch the model does not chunk gets the logits through the head: `model.full_logits`).
     The rows a batch's KD reads are not known here: a batch the model chunks for them alone reads the teacher's
     logits at those rows. A head that is not one `[V, d]` matrix (ZeRO-3 partitions it) keeps the logits."""
     weight = getattr(teacher.model.get_output_embeddings(), "weight", None)
-    if cfg.logit_kd_weight == 0 or teacher.logit_kd != "same_vocab" or weight is None or weight.dim() != 2:
+    if cfg.logit_kd_weight == 0 or teacher.logit_kd == "off" or weight is None or weight.dim() != 2:
         return False
     tokens = (cfg.per_device_train_batch_size + (cfg.transfer_batch_size if cfg.transfer_data else 0)) * cfg.max_length
     return resolve_chunk_tokens(cfg.logit_chunk_tokens, tokens, *weight.shape) > 0

@@ -20,6 +20,18 @@ Per-token fields (`kvdistill.fields`), character spans of the question:
 Splits: train (every fact but the held-out ones), dev, test (held-out facts, of distinct entities),
 every_fact (each fact asked once, for probes; never a training split). `sheet(...)` is the text
 a teacher's template holds. Deterministic in the seed.
+
+With one attribute the sheet is key -> value lines and nothing is held out (recall):
+
+    sheet:    Tova: 3            record (standard prompt/completion):   "Tova: " -> "3"
+              Bram: 7
+
+The answer follows its key as on the sheet, so a reader of the sheet answers by copying (Gemma-3-270m
+reads only this layout: 0.94 at 32 entities, docs/results/evidence_real_facts), and a student learns
+the facts into its weights: context distillation measures how fast, not whether it generalises.
+Splits: train (every fact, shuffled), every_fact (sheet order) and with_sheet (every_fact with the sheet
+in its prompt: what the teacher reads, for probes). Fields: `value` on the prompt, `name` on the name,
+`query` on the ": " after it (the row a copying reader predicts the value from).
 """
 
 from __future__ import annotations
@@ -34,9 +46,11 @@ CONSONANTS, VOWELS = "bdfgklmnprstvz", "aeiou"
 
 def check_knobs(*, entities: int, attributes: int, n_dev: int, n_test: int) -> None:
     """`ValueError` naming the knob when no sheet can be made with these knobs."""
-    if not 2 <= attributes <= len(ATTRIBUTES):
-        raise ValueError(f"attributes must be in 2..{len(ATTRIBUTES)} (one is held out, one at least is "
-                         f"trained), got {attributes}")
+    if not 1 <= attributes <= len(ATTRIBUTES):
+        raise ValueError(f"attributes must be in 1..{len(ATTRIBUTES)}, got {attributes}")
+    if attributes == 1 and n_dev + n_test:
+        raise ValueError("with one attribute nothing is held out (recall: every split asks every fact); "
+                         "drop --n_dev and --n_test, or give --attributes 2 or more")
     if not 1 <= entities <= 1000:
         raise ValueError(f"entities must be in 1..1000, got {entities}")
     if n_dev + n_test > entities:
@@ -54,6 +68,8 @@ def make_sheet(entities: int, attributes: int, seed: int) -> list[tuple[str, lis
 
 def sheet_text(rows: list[tuple[str, list[int], int]]) -> str:
     """The sheet as the teacher reads it: one line per entity."""
+    if len(rows[0][1]) == 1:  # recall: the value right after its key
+        return "\n".join(f"{name}: {digits[0]}" for name, digits, _ in rows)
     return "\n".join(f"{name}: " + ", ".join(f"{ATTRIBUTES[a]} {d}" for a, d in enumerate(digits)) + "."
                      for name, digits, _ in rows)
 
@@ -66,11 +82,23 @@ def question(name: str, digits: list[int], held: int, attribute: int) -> dict:
     return {"question": text, "answer": f"#### {value}", "token_fields": fields}
 
 
+def recall(name: str, value: int, sheet: str = "") -> dict:
+    """The prompt/completion record asking `name`'s one value (`sheet`: text before it in the prompt)."""
+    prompt, fields = spell([sheet, (name, {"value": value, "name": 1}), (": ", {"value": value, "query": 1})])
+    return {"prompt": prompt, "completion": str(value), "token_fields": fields}
+
+
 def make_splits(*, entities: int, attributes: int, n_dev: int, n_test: int, seed: int = 0
                 ) -> dict[str, list[dict]]:
     """`{train, dev, test, every_fact}` records; `sheet(...)` with the same knobs is what they ask about."""
     check_knobs(entities=entities, attributes=attributes, n_dev=n_dev, n_test=n_test)
     rows = make_sheet(entities, attributes, seed)
+    if attributes == 1:
+        every = [recall(n, d[0]) for n, d, _ in rows]
+        train = every.copy()
+        random.Random(seed + 1).shuffle(train)
+        prefix = sheet_text(rows) + "\n"
+        return {"train": train, "every_fact": every, "with_sheet": [recall(n, d[0], prefix) for n, d, _ in rows]}
     train = [question(n, d, h, a) for n, d, h in rows for a in range(attributes) if a != h]
     random.Random(seed + 1).shuffle(train)
     held = [question(n, d, h, h) for n, d, h in rows]  # entities in the sheet's (random) order
