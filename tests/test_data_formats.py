@@ -218,6 +218,9 @@ def test_a_teachers_template_wraps_a_standard_prompt(toks):
             format_example(bad, own_template="x {question}")
     assert prompt_reads(toks["bpe"], {}, example=rec, own_templates={"t": "S\n{question}"}).endswith(
         "; teacher t reads its own template 'S\\n{question}' around the prompt")
+    sheet = "Bram: 3\n" * 40 + "{question}"  # a fact sheet: its two ends on the console line
+    assert prompt_reads(toks["bpe"], {}, example=rec, own_templates={"t": sheet}).endswith(
+        f"teacher t reads its own template {sheet[:30]!r}...{sheet[-30:]!r} (330 characters) around the prompt")
 
 
 def test_plain_rendering_of_a_conversation(toks):

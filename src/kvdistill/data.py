@@ -508,21 +508,28 @@ def prompt_reads(student: Any, teachers: Mapping[str, Any], template: str = DEFA
         use_chat_template, fallback = True, "the plain rendering ('Role: content' lines)"
     elif example is not None and record_format(example) != formats.QUESTION_ANSWER:
         given = f"prompts: every reader reads the {record_format(example)} records' text as given"
-        return given + "".join(f"; teacher {n} reads its own template {t!r} around the prompt"
+        return given + "".join(f"; teacher {n} reads its own template {_brief(t)} around the prompt"
                                for n, t in own_templates.items())
 
     def reads(tok: Any, name: str | None = None) -> str:
         own = own_templates.get(name)
         if use_chat_template and getattr(tok, "chat_template", None):
-            return "its chat template" + (f", its user turn its own template {own!r}" if own else "")
+            return "its chat template" + (f", its user turn its own template {_brief(own)}" if own else "")
         if own:
-            return f"its own template {own!r} (its text outside the question pairs with no student token)"
+            return f"its own template {_brief(own)} (its text outside the question pairs with no student token)"
         return fallback + (" (it has no chat template)" if use_chat_template else "")
 
     parts = [f"student reads {reads(student)}"]
     parts += [f"teacher {n} reads " + ("the student's tokens" if tok is None else reads(tok, n))
               for n, tok in teachers.items()]
     return "prompts: " + "; ".join(parts)
+
+
+def _brief(template: str, n: int = 60) -> str:
+    """A template as one console line shows it: whole when short, else its two ends (a fact sheet is long)."""
+    if len(template) <= n:
+        return repr(template)
+    return f"{template[: n // 2]!r}...{template[-n // 2 :]!r} ({len(template)} characters)"
 
 
 def tokenize_example(
