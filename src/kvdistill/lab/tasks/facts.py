@@ -26,8 +26,9 @@ With one attribute the sheet is key -> value lines and nothing is held out (reca
     sheet:    Tova: 3            record (standard prompt/completion):   "Tova: " -> "3"
               Bram: 7
 
-The answer follows its key as on the sheet, so a reader of the sheet answers by copying (Gemma-3-270m
-reads only this layout: 0.94 at 32 entities, docs/results/evidence_real_facts), and a student learns
+The answer follows its key as on the sheet, so a reader of the sheet answers by copying (Gemma-3-270m's
+top token is the value for 0.72 of 32 facts with this sheet, 0.08 for the question layout: docs/results/
+evidence_real_recall), and a student learns
 the facts into its weights: context distillation measures how fast, not whether it generalises.
 Splits: train (every fact, shuffled), every_fact (sheet order) and with_sheet (every_fact with the sheet
 in its prompt: what the teacher reads, for probes). Fields: `value` on the prompt, `name` on the name,
