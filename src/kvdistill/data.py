@@ -227,11 +227,7 @@ def _record(where: str, row: Mapping[str, Any], fmap: Mapping[str, str], extra_f
             raise DataError(f"{where} has no {col!r} value; give every record one (or remove that record)")
     rec = {ours: str(row[theirs]) for ours, theirs in fmap.items()}
     rec.update({f: row[f] for f in extra_fields})
-    if row.get(token_fields.FIELD_KEY) is not None:  # a task's per-token facts (fields.py) travel with it
-        try:
-            rec[token_fields.FIELD_KEY] = token_fields.freeze(row[token_fields.FIELD_KEY], where)
-        except ValueError as err:
-            raise DataError(str(err)) from None
+    rec.update(formats.row_fields(where, row))  # a task's per-token facts (fields.py) travel with it
     if not rec["question"].strip():
         raise DataError(f"{where} has an empty {fmap['question']!r}; give every record a question (or remove "
                         "that record)")

@@ -51,6 +51,17 @@ class DataError(UserError, ValueError):
     """Bad data input; the message names the problem and the fix."""
 
 
+def row_fields(where: str, row: Mapping[str, Any]) -> dict:
+    """`{token_fields: frozen}` of a row that has per-token fields (`fields.py`), else `{}`; a bad one is a
+    DataError naming the field and span."""
+    if row.get(token_fields.FIELD_KEY) is None:
+        return {}
+    try:
+        return {token_fields.FIELD_KEY: token_fields.freeze(row[token_fields.FIELD_KEY], where)}
+    except ValueError as err:
+        raise DataError(str(err)) from None
+
+
 def accepted() -> str:
     """The formats and their columns, as error messages name them."""
     return "; ".join(f"{f} ({', '.join(COLUMNS[f])})" for f in FORMATS)
@@ -147,13 +158,7 @@ def to_record(where: str, row: Mapping[str, Any], fmt: str, fmap: Mapping[str, s
             if not completion.strip():
                 raise DataError(f"{where} has an empty {fmap['completion']!r}; give every record a completion "
                                 "(or remove that record)")
-            out = {"prompt": prompt, "completion": completion}
-            if row.get(token_fields.FIELD_KEY) is not None:  # spans of the prompt (`fields.py`) travel with it
-                try:
-                    out[token_fields.FIELD_KEY] = token_fields.freeze(row[token_fields.FIELD_KEY], where)
-                except ValueError as err:
-                    raise DataError(str(err)) from None
-            return out
+            return {"prompt": prompt, "completion": completion, **row_fields(where, row)}  # spans of the prompt
         if isinstance(prompt, str) or isinstance(completion, str):
             raise DataError(f"{where}: {fmap['prompt']!r} and {fmap['completion']!r} must both be strings "
                             "(standard) or both lists of {role, content} messages (conversational)")
